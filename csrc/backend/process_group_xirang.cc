@@ -1,0 +1,887 @@
+#include "backend/process_group_xirang.h"
+
+#include <ATen/ThreadLocalState.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <sstream>
+
+#include "core/codec.h"
+#include "core/env.h"
+#include "core/reduce.h"
+
+namespace xirang {
+
+using transport::OpKind;
+using transport::RecvSeg;
+using transport::SendSeg;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Adapts torch's c10d::Store (already prefixed per group by torch) to the transport's Store.
+class StoreAdapter : public transport::Store {
+ public:
+  explicit StoreAdapter(c10::intrusive_ptr<c10d::Store> s) : s_(std::move(s)) {}
+  void set(const std::string& key, const std::string& value) override {
+    s_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::string get(const std::string& key, transport::Deadline deadline) override {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() < 1) left = std::chrono::milliseconds(1);
+    s_->wait({key}, left);
+    auto v = s_->get(key);
+    return std::string(v.begin(), v.end());
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> s_;
+};
+
+DType toDType(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::Float32;
+    case at::kDouble: return DType::Float64;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kChar: return DType::Int8;
+    case at::kShort: return DType::Int16;
+    case at::kInt: return DType::Int32;
+    case at::kLong: return DType::Int64;
+    case at::kByte: return DType::UInt8;
+    case at::kBool: return DType::Bool;
+    case at::kComplexFloat: return DType::Complex64;
+    case at::kComplexDouble: return DType::Complex128;
+    case at::kComplexHalf: return DType::Complex32;
+    default: return DType::Bytes;
+  }
+}
+
+ReduceOp toReduceOp(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return ReduceOp::Sum;
+    case c10d::ReduceOp::AVG: return ReduceOp::Avg;
+    case c10d::ReduceOp::PRODUCT: return ReduceOp::Product;
+    case c10d::ReduceOp::MIN: return ReduceOp::Min;
+    case c10d::ReduceOp::MAX: return ReduceOp::Max;
+    case c10d::ReduceOp::BAND: return ReduceOp::BAnd;
+    case c10d::ReduceOp::BOR: return ReduceOp::BOr;
+    case c10d::ReduceOp::BXOR: return ReduceOp::BXor;
+    case c10d::ReduceOp::PREMUL_SUM: return ReduceOp::PremulSum;
+    default: TORCH_CHECK(false, "xirang: unsupported reduce op ", static_cast<int>(op.op_));
+  }
+}
+
+bool is16BitFloat(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// A buffer the algorithms can work in: the tensor itself when it is contiguous and needs no
+// widening, else a contiguous (float32 for 16-bit floats) copy that is written back after.
+struct Staged {
+  at::Tensor user;
+  at::Tensor buf;
+  bool copy_back = false;
+  void finish() {
+    if (copy_back) user.copy_(buf);
+  }
+};
+
+Staged stage(const at::Tensor& t, bool widen16) {
+  Staged s{t, t, false};
+  if (widen16 && is16BitFloat(t.scalar_type())) {
+    s.buf = t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+    s.copy_back = true;
+  } else if (!t.is_contiguous()) {
+    s.buf = t.contiguous();
+    s.copy_back = true;
+  }
+  return s;
+}
+
+DType wireDType(const at::Tensor& buf) { return toDType(buf.scalar_type()); }
+
+uint64_t nbytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
+
+double premulFactor(const c10d::ReduceOp& op) {
+  auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK(sup != nullptr, "xirang: PREMUL_SUM without a factor");
+  if (sup->tensor_factor.defined()) return sup->tensor_factor.item<double>();
+  return sup->double_factor;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- WorkXirang
+
+WorkXirang::WorkXirang(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
+                       const std::optional<std::vector<at::Tensor>>& inputs)
+    : Work(rank, type, title, inputs),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkXirang::getFuture() { return future_; }
+
+std::vector<at::Tensor> WorkXirang::result() { return outputs_; }
+
+void WorkXirang::complete(std::exception_ptr error) {
+  finish(error);
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+// ---------------------------------------------------------------- construction
+
+ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                       XirangConfig cfg)
+    : Backend(rank, size), cfg_(std::move(cfg)), created_(Clock::now()) {
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "xirang: invalid rank ", rank, " for world size ", size);
+  store_ = std::make_shared<StoreAdapter>(store);
+  transport::TcpOptions topts;
+  topts.ifname = env::get("XIRANG_SOCKET_IFNAME");
+  topts.handshake_timeout = std::chrono::milliseconds(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS"));
+  record_capacity_ = static_cast<size_t>(std::max<int64_t>(1, env::getInt("XIRANG_STATS_CAPACITY")));
+  try {
+    tcp_ = std::make_unique<transport::Tcp>(rank, size, store_, topts, Clock::now() + cfg_.timeout);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "xirang rank ", rank, ": creating group '", cfg_.group_name, "' failed: ", e.what());
+  }
+  comm_.tcp = tcp_.get();
+  comm_.rank = rank;
+  if (cfg_.ring.empty()) {
+    for (int r = 0; r < size; ++r) comm_.ring.push_back(r);
+  } else {
+    TORCH_CHECK(static_cast<int>(cfg_.ring.size()) == size, "xirang: ring order has ", cfg_.ring.size(),
+                " entries for world size ", size);
+    comm_.ring = cfg_.ring;
+  }
+  comm_.segment_bytes = env::getInt("XIRANG_SEGMENT_BYTES");
+  comm_.small_bytes = env::getInt("XIRANG_SMALL_BYTES");
+  std::string algo = cfg_.algorithm == "auto" ? env::get("XIRANG_ALGO") : cfg_.algorithm;
+  if (algo == "ring") comm_.algo = Comm::Algo::Ring;
+  else if (algo == "direct") comm_.algo = Comm::Algo::Direct;
+  else comm_.algo = Comm::Algo::Auto;
+  std::ostringstream ring;
+  for (int r : comm_.ring) ring << r << " ";
+  env::log(env::Level::Info, rank,
+           "group '" + cfg_.group_name + "' size " + std::to_string(size) + " address " + address() +
+               " algorithm " + algo + " ring [ " + ring.str() + "] codec " + codec::pathName(codec::activePath()));
+  thread_ = std::thread([this] { runLoop(); });
+}
+
+ProcessGroupXirang::~ProcessGroupXirang() { shutdown(); }
+
+void ProcessGroupXirang::shutdown() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  if (tcp_) tcp_->close();
+}
+
+void ProcessGroupXirang::abort() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (poison_.empty()) poison_ = "xirang rank " + std::to_string(rank_) + ": process group aborted";
+  }
+  if (tcp_) tcp_->abort(poison_);
+  shutdown();
+}
+
+void ProcessGroupXirang::checkPoisoned() {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(poison_.empty(), poison_);
+  TORCH_CHECK(!stop_, "xirang rank ", rank_, ": process group '", cfg_.group_name, "' was shut down");
+}
+
+// ---------------------------------------------------------------- the queue
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::enqueue(c10d::OpType type, const char* title, OpKind kind,
+                                                           std::vector<at::Tensor> outputs,
+                                                           const std::vector<at::Tensor>& inputs, DType dtype,
+                                                           ReduceOp reduce, uint64_t numel,
+                                                           std::chrono::milliseconds timeout, Fn fn, int64_t group_id) {
+  checkPoisoned();
+  auto work = c10::make_intrusive<WorkXirang>(rank_, type, title, std::move(outputs),
+                                              std::optional<std::vector<at::Tensor>>(inputs));
+  Op op;
+  op.work = work;
+  op.fn = std::move(fn);
+  op.ctx.op = kind;
+  op.ctx.dtype = dtype;
+  op.ctx.reduce = reduce;
+  op.ctx.numel = numel;
+  op.ctx.seq = (kind == OpKind::Send) ? 0 : ++seq_;
+  op.timeout = timeout.count() < 0 ? cfg_.timeout : timeout;
+  op.tls = at::ThreadLocalState();
+  op.enqueued = Clock::now();
+  op.rec.seq = op.ctx.seq;
+  op.rec.op = title ? std::string(title).substr(std::strlen("xirang:")) : transport::opKindName(kind);
+  op.rec.group_id = group_id;
+  op.rec.dtype = dtypeName(dtype);
+  op.rec.numel = numel;
+  op.rec.t_enqueue = std::chrono::duration<double>(op.enqueued - created_).count();
+  if (env::logLevel() >= env::Level::Trace)
+    env::log(env::Level::Trace, rank_, "enqueue " + describe(op));
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    queue_.push_back(std::move(op));
+  }
+  cv_.notify_one();
+  if (coalescing_) coalesced_.push_back(work);
+  return work;
+}
+
+std::string ProcessGroupXirang::describe(const Op& op) const {
+  std::ostringstream s;
+  s << op.rec.op << " (op #" << op.ctx.seq << ", " << dtypeName(op.ctx.dtype) << ", " << op.ctx.numel
+    << " elements";
+  if (op.ctx.reduce != ReduceOp::None) s << ", " << reduceOpName(op.ctx.reduce);
+  s << ", group '" << cfg_.group_name << "')";
+  return s.str();
+}
+
+void ProcessGroupXirang::runLoop() {
+  const int64_t delay_ms = env::getInt("XIRANG_TEST_DELAY_MS");
+  while (true) {
+    Op op;
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      cv_.wait(g, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      op = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::exception_ptr error;
+    std::string poison;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      poison = poison_;
+    }
+    auto start = Clock::now();
+    Phases ph;
+    if (!poison.empty()) {
+      error = std::make_exception_ptr(std::runtime_error(poison));
+    } else {
+      try {
+        if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+        at::ThreadLocalStateGuard guard(op.tls);
+        op.ctx.deadline = start + op.timeout;
+        op.ctx.phases = &ph;
+        op.fn(op.ctx);
+      } catch (const std::exception& e) {
+        std::string what = e.what();
+        // c10::Error's what() carries a C++ backtrace; keep the message.
+        if (auto* ce = dynamic_cast<const c10::Error*>(&e)) what = ce->msg();
+        std::string msg = "xirang rank " + std::to_string(rank_) + ": " + describe(op) + " failed: " + what;
+        bool is_timeout = dynamic_cast<const transport::TimeoutError*>(&e) != nullptr;
+        if (is_timeout) msg += " (timeout " + std::to_string(op.timeout.count()) + " ms)";
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          if (poison_.empty()) poison_ = msg;
+        }
+        env::log(env::Level::Warn, rank_, msg);
+        if (tcp_) tcp_->abort(msg);
+        error = std::make_exception_ptr(std::runtime_error(msg));
+      }
+    }
+    auto end = Clock::now();
+    op.rec.queued_s = std::chrono::duration<double>(start - op.enqueued).count();
+    op.rec.total_s = std::chrono::duration<double>(end - start).count();
+    op.rec.encode_s = ph.encode_s;
+    op.rec.scatter_reduce_s = ph.scatter_reduce_s;
+    op.rec.allgather_s = ph.allgather_s;
+    op.rec.decode_s = ph.decode_s;
+    op.rec.bytes_wire = ph.bytes_sent;
+    op.rec.bytes_raw = op.ctx.op == OpKind::AllreduceEF ? ph.bytes_sent * 2 : ph.bytes_sent;
+    op.rec.algorithm = ph.algorithm;
+    op.rec.ok = error == nullptr;
+    {
+      std::lock_guard<std::mutex> g(rec_mu_);
+      records_.push_back(std::move(op.rec));
+      while (records_.size() > record_capacity_) records_.pop_front();
+    }
+    op.work->complete(error);
+  }
+}
+
+std::vector<OpRecord> ProcessGroupXirang::records() {
+  std::lock_guard<std::mutex> g(rec_mu_);
+  return std::vector<OpRecord>(records_.begin(), records_.end());
+}
+
+void ProcessGroupXirang::clearRecords() {
+  std::lock_guard<std::mutex> g(rec_mu_);
+  records_.clear();
+}
+
+// ---------------------------------------------------------------- input checks
+
+namespace {
+
+void checkTensors(int rank, const char* op, const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) {
+    TORCH_CHECK(t.defined(), "xirang rank ", rank, ": ", op, ": undefined tensor");
+    if (t.is_cuda()) {
+      TORCH_CHECK(false, "xirang rank ", rank, ": ", op,
+                  ": got a CUDA tensor, but the CUDA path is not built in this xirang "
+                  "(build_info()['cuda'] is None); use CPU tensors or 'cpu:xirang,cuda:nccl'");
+    }
+    TORCH_CHECK(t.device().is_cpu(), "xirang rank ", rank, ": ", op, ": tensors must be on the CPU, got ", t.device());
+    TORCH_CHECK(t.layout() == at::kStrided, "xirang rank ", rank, ": ", op, ": sparse tensors are not supported");
+  }
+}
+
+void checkSameType(int rank, const char* op, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "xirang rank ", rank, ": ", op, ": dtype mismatch between tensors: ",
+              a.scalar_type(), " vs ", b.scalar_type());
+}
+
+void checkReduce(int rank, const char* op, at::ScalarType t, ReduceOp r) {
+  DType d = toDType(t);
+  if (d == DType::Float16 || d == DType::BFloat16) d = DType::Float32;
+  std::string err = checkReduceOp(d, r);
+  if (!err.empty()) {
+    err = std::string(reduceOpName(r)) + " is not defined on " + c10::toString(t);
+    TORCH_CHECK(false, "xirang rank ", rank, ": ", op, ": ", err);
+  }
+}
+
+int64_t timeoutMs(std::chrono::milliseconds t) { return t.count(); }
+
+}  // namespace
+
+// Runs the reduce `op` of the user's dtype on an fp32-or-native buffer, with AVG/PREMUL scaling.
+static void reduceAll(const Comm& comm, const OpCtx& ctx, at::Tensor& buf, ReduceOp op, double premul) {
+  DType wire = wireDType(buf);
+  if (op == ReduceOp::PremulSum) scale(buf.data_ptr(), buf.numel(), wire, premul);
+  ReduceOp wop = (op == ReduceOp::Avg || op == ReduceOp::PremulSum) ? ReduceOp::Sum : op;
+  allreduce(comm, ctx, buf.data_ptr(), buf.numel(), wire, wop);
+  if (op == ReduceOp::Avg) scale(buf.data_ptr(), buf.numel(), wire, 1.0 / comm.size());
+}
+
+// ---------------------------------------------------------------- collectives
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce(std::vector<at::Tensor>& tensors,
+                                                             const c10d::AllreduceOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": allreduce takes exactly one tensor per process, got ",
+              tensors.size());
+  checkTensors(rank_, "allreduce", tensors);
+  at::Tensor t = tensors[0];
+  ReduceOp op = toReduceOp(opts.reduceOp);
+  checkReduce(rank_, "allreduce", t.scalar_type(), op);
+  double premul = op == ReduceOp::PremulSum ? premulFactor(opts.reduceOp) : 1.0;
+  auto fn = [this, t, op, premul](OpCtx& ctx) {
+    Staged s = stage(t, true);
+    reduceAll(comm_, ctx, s.buf, op, premul);
+    s.finish();
+  };
+  return enqueue(c10d::OpType::ALLREDUCE, "xirang:all_reduce", OpKind::Allreduce, tensors, tensors,
+                 toDType(t.scalar_type()), op, static_cast<uint64_t>(t.numel()), opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                       const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK(!tensors.empty(), "xirang rank ", rank_, ": allreduce_coalesced: no tensors");
+  checkTensors(rank_, "allreduce_coalesced", tensors);
+  uint64_t total = 0;
+  for (auto& t : tensors) {
+    checkSameType(rank_, "allreduce_coalesced", tensors[0], t);
+    total += static_cast<uint64_t>(t.numel());
+  }
+  ReduceOp op = toReduceOp(opts.reduceOp);
+  checkReduce(rank_, "allreduce_coalesced", tensors[0].scalar_type(), op);
+  double premul = op == ReduceOp::PremulSum ? premulFactor(opts.reduceOp) : 1.0;
+  auto ts = tensors;
+  auto fn = [this, ts, op, premul](OpCtx& ctx) {
+    std::vector<at::Tensor> flat;
+    for (auto& t : ts) flat.push_back(is16BitFloat(t.scalar_type()) ? t.to(at::kFloat).reshape(-1) : t.reshape(-1));
+    at::Tensor buf = at::cat(flat);
+    reduceAll(comm_, ctx, buf, op, premul);
+    int64_t off = 0;
+    for (auto& t : ts) {
+      t.copy_(buf.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+  };
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "xirang:all_reduce_coalesced", OpKind::Allreduce, tensors,
+                 tensors, toDType(tensors[0].scalar_type()), op, total, opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor buffer, at::Tensor residual,
+                                                                   at::Tensor staged, int64_t group_id) {
+  checkTensors(rank_, "allreduce_bf16_ef", {buffer, residual, staged});
+  for (const auto* t : {&buffer, &residual, &staged}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->is_contiguous(), "xirang rank ", rank_,
+                ": allreduce_bf16_ef: buffer, residual and staged must be 1-D contiguous float32, got ",
+                t->scalar_type(), " of shape ", t->sizes());
+  }
+  TORCH_CHECK(residual.numel() == buffer.numel() && staged.numel() == buffer.numel(), "xirang rank ", rank_,
+              ": allreduce_bf16_ef: residual (", residual.numel(), ") and staged (", staged.numel(),
+              ") must have the buffer's ", buffer.numel(), " elements");
+  TORCH_CHECK(!staged.is_alias_of(residual), "xirang rank ", rank_,
+              ": allreduce_bf16_ef: staged must not share storage with residual");
+  auto fn = [this, buffer, residual, staged](OpCtx& ctx) {
+    xirang::allreduceBF16EF(comm_, ctx, buffer.data_ptr<float>(), residual.data_ptr<float>(), staged.data_ptr<float>(),
+                    buffer.numel());
+  };
+  return enqueue(c10d::OpType::ALLREDUCE, "xirang:allreduce_bf16_ef", OpKind::AllreduceEF, {buffer}, {buffer},
+                 DType::Float32, ReduceOp::Avg, static_cast<uint64_t>(buffer.numel()), c10d::kUnsetTimeout, fn,
+                 group_id);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Tensor>& tensors,
+                                                             const c10d::BroadcastOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": broadcast takes exactly one tensor per process, got ",
+              tensors.size());
+  checkTensors(rank_, "broadcast", tensors);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "xirang rank ", rank_, ": broadcast: invalid root ",
+              opts.rootRank);
+  at::Tensor t = tensors[0];
+  int root = static_cast<int>(opts.rootRank);
+  auto fn = [this, t, root](OpCtx& ctx) {
+    Staged s = stage(t, false);
+    xirang::broadcast(comm_, ctx, s.buf.data_ptr(), nbytes(s.buf), root);
+    if (rank_ != root) s.finish();
+  };
+  return enqueue(c10d::OpType::BROADCAST, "xirang:broadcast", OpKind::Broadcast, tensors, tensors,
+                 toDType(t.scalar_type()), ReduceOp::None, static_cast<uint64_t>(t.numel()), opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::ReduceOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": reduce takes exactly one tensor per process");
+  checkTensors(rank_, "reduce", tensors);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "xirang rank ", rank_, ": reduce: invalid root ",
+              opts.rootRank);
+  at::Tensor t = tensors[0];
+  ReduceOp op = toReduceOp(opts.reduceOp);
+  checkReduce(rank_, "reduce", t.scalar_type(), op);
+  double premul = op == ReduceOp::PremulSum ? premulFactor(opts.reduceOp) : 1.0;
+  int root = static_cast<int>(opts.rootRank);
+  auto fn = [this, t, op, premul, root](OpCtx& ctx) {
+    // Reduce = allreduce into a private buffer; only the root writes the result.
+    at::Tensor buf = is16BitFloat(t.scalar_type()) ? t.to(at::kFloat) : t.clone(at::MemoryFormat::Contiguous);
+    reduceAll(comm_, ctx, buf, op, premul);
+    if (rank_ == root) t.copy_(buf);
+  };
+  return enqueue(c10d::OpType::REDUCE, "xirang:reduce", OpKind::Reduce, tensors, tensors, toDType(t.scalar_type()),
+                 op, static_cast<uint64_t>(t.numel()), opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                                   const c10d::AllgatherOptions& opts) {
+  checkTensors(rank_, "allgather_into_tensor", {output, input});
+  checkSameType(rank_, "allgather_into_tensor", output, input);
+  TORCH_CHECK(output.numel() == input.numel() * size_, "xirang rank ", rank_,
+              ": allgather_into_tensor: output has ", output.numel(), " elements, expected world size ", size_,
+              " x input ", input.numel());
+  auto fn = [this, output, input](OpCtx& ctx) {
+    Staged s = stage(output, false);
+    uint64_t b = nbytes(input);
+    std::vector<RecvSeg> blocks;
+    for (int r = 0; r < size_; ++r) blocks.push_back(RecvSeg{static_cast<uint8_t*>(s.buf.data_ptr()) + b * r, b});
+    s.buf.narrow(0, 0, s.buf.size(0)).reshape(-1).narrow(0, input.numel() * rank_, input.numel()).copy_(input.reshape(-1));
+    xirang::allgather(comm_, ctx, blocks);
+    s.finish();
+  };
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "xirang:all_gather_into_tensor", OpKind::Allgather, {output},
+                 {input}, toDType(input.scalar_type()), ReduceOp::None, static_cast<uint64_t>(input.numel()),
+                 opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                             std::vector<at::Tensor>& inputs,
+                                                             const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(inputs.size() == 1 && outputs.size() == 1, "xirang rank ", rank_,
+              ": allgather takes one input tensor and one output list per process");
+  TORCH_CHECK(static_cast<int>(outputs[0].size()) == size_, "xirang rank ", rank_, ": allgather: output list has ",
+              outputs[0].size(), " tensors, expected world size ", size_);
+  at::Tensor in = inputs[0];
+  checkTensors(rank_, "allgather", inputs);
+  checkTensors(rank_, "allgather", outputs[0]);
+  for (auto& o : outputs[0]) {
+    checkSameType(rank_, "allgather", in, o);
+    TORCH_CHECK(o.numel() == in.numel(), "xirang rank ", rank_, ": allgather: output tensor has ", o.numel(),
+                " elements, input ", in.numel());
+  }
+  auto outs = outputs[0];
+  auto fn = [this, outs, in](OpCtx& ctx) {
+    at::Tensor flat = at::empty({static_cast<int64_t>(size_) * in.numel()}, in.options().memory_format(at::MemoryFormat::Contiguous));
+    uint64_t b = nbytes(in);
+    std::vector<RecvSeg> blocks;
+    for (int r = 0; r < size_; ++r) blocks.push_back(RecvSeg{static_cast<uint8_t*>(flat.data_ptr()) + b * r, b});
+    flat.narrow(0, in.numel() * rank_, in.numel()).copy_(in.reshape(-1));
+    xirang::allgather(comm_, ctx, blocks);
+    for (int r = 0; r < size_; ++r) outs[r].copy_(flat.narrow(0, in.numel() * r, in.numel()).view(outs[r].sizes()));
+  };
+  return enqueue(c10d::OpType::ALLGATHER, "xirang:all_gather", OpKind::Allgather, outputs[0], inputs,
+                 toDType(in.scalar_type()), ReduceOp::None, static_cast<uint64_t>(in.numel()), opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                       std::vector<at::Tensor>& inputs,
+                                                                       const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "xirang rank ", rank_, ": allgather_coalesced: ", outputs.size(),
+              " output lists for ", inputs.size(), " inputs");
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<std::vector<at::Tensor>> o{outputs[i]};
+    std::vector<at::Tensor> in{inputs[i]};
+    works.push_back(allgather(o, in, opts));
+  }
+  return works.empty() ? enqueue(c10d::OpType::ALLGATHER_COALESCED, "xirang:all_gather_coalesced", OpKind::Barrier,
+                                 {}, {}, DType::UInt8, ReduceOp::None, 0, opts.timeout, [](OpCtx&) {})
+                       : works.back();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                                   std::vector<at::Tensor>& inputs,
+                                                                                   const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(), "xirang rank ", rank_,
+              ": allgather_into_tensor_coalesced: ", outputs.size(), " outputs for ", inputs.size(), " inputs");
+  // Ops complete in queue order, so the last Work completes after all of them.
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t i = 0; i < inputs.size(); ++i) last = _allgather_base(outputs[i], inputs[i], opts);
+  return last;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                        const c10d::ReduceScatterOptions& opts) {
+  checkTensors(rank_, "reduce_scatter_tensor", {output, input});
+  checkSameType(rank_, "reduce_scatter_tensor", output, input);
+  TORCH_CHECK(input.numel() == output.numel() * size_, "xirang rank ", rank_, ": reduce_scatter_tensor: input has ",
+              input.numel(), " elements, expected world size ", size_, " x output ", output.numel());
+  ReduceOp op = toReduceOp(opts.reduceOp);
+  checkReduce(rank_, "reduce_scatter_tensor", input.scalar_type(), op);
+  double premul = op == ReduceOp::PremulSum ? premulFactor(opts.reduceOp) : 1.0;
+  auto fn = [this, output, input, op, premul](OpCtx& ctx) {
+    at::Tensor buf = is16BitFloat(input.scalar_type()) ? input.to(at::kFloat).reshape(-1)
+                                                       : input.reshape(-1).clone(at::MemoryFormat::Contiguous);
+    DType wire = wireDType(buf);
+    if (op == ReduceOp::PremulSum) scale(buf.data_ptr(), buf.numel(), wire, premul);
+    uint64_t b = static_cast<uint64_t>(output.numel()) * buf.element_size();
+    std::vector<RecvSeg> blocks;
+    for (int r = 0; r < size_; ++r) blocks.push_back(RecvSeg{static_cast<uint8_t*>(buf.data_ptr()) + b * r, b});
+    ReduceOp wop = (op == ReduceOp::Avg || op == ReduceOp::PremulSum) ? ReduceOp::Sum : op;
+    xirang::reduceScatter(comm_, ctx, blocks, wire, wop);
+    at::Tensor mine = buf.narrow(0, output.numel() * rank_, output.numel());
+    if (op == ReduceOp::Avg) scale(mine.data_ptr(), mine.numel(), wire, 1.0 / size_);
+    output.copy_(mine.view(output.sizes()));
+  };
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "xirang:reduce_scatter_tensor", OpKind::ReduceScatter, {output},
+                 {input}, toDType(input.scalar_type()), op, static_cast<uint64_t>(input.numel()), opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                                  std::vector<std::vector<at::Tensor>>& inputs,
+                                                                  const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == 1 && inputs.size() == 1, "xirang rank ", rank_,
+              ": reduce_scatter takes one output tensor and one input list per process");
+  TORCH_CHECK(static_cast<int>(inputs[0].size()) == size_, "xirang rank ", rank_, ": reduce_scatter: input list has ",
+              inputs[0].size(), " tensors, expected world size ", size_);
+  checkTensors(rank_, "reduce_scatter", outputs);
+  checkTensors(rank_, "reduce_scatter", inputs[0]);
+  for (auto& t : inputs[0]) {
+    checkSameType(rank_, "reduce_scatter", outputs[0], t);
+    TORCH_CHECK(t.numel() == outputs[0].numel(), "xirang rank ", rank_, ": reduce_scatter: input tensor has ",
+                t.numel(), " elements, output ", outputs[0].numel());
+  }
+  std::vector<at::Tensor> flat;
+  for (auto& t : inputs[0]) flat.push_back(t.reshape(-1));
+  at::Tensor input = at::cat(flat);
+  at::Tensor output = outputs[0];
+  auto w = _reduce_scatter_base(output, input, opts);
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                                   std::vector<at::Tensor>& inputs,
+                                                                                   const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(), "xirang rank ", rank_,
+              ": reduce_scatter_tensor_coalesced: ", outputs.size(), " outputs for ", inputs.size(), " inputs");
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t i = 0; i < inputs.size(); ++i) last = _reduce_scatter_base(outputs[i], inputs[i], opts);
+  return last;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                                 std::vector<int64_t>& outputSplits,
+                                                                 std::vector<int64_t>& inputSplits,
+                                                                 const c10d::AllToAllOptions& opts) {
+  checkTensors(rank_, "alltoall_base", {output, input});
+  checkSameType(rank_, "alltoall_base", output, input);
+  auto splitsOf = [&](const at::Tensor& t, const std::vector<int64_t>& sp, const char* which) {
+    std::vector<int64_t> rows;
+    int64_t dim0 = t.dim() == 0 ? 1 : t.size(0);
+    if (sp.empty()) {
+      TORCH_CHECK(dim0 % size_ == 0, "xirang rank ", rank_, ": alltoall_base: ", which, " dim 0 (", dim0,
+                  ") is not divisible by world size ", size_);
+      rows.assign(size_, dim0 / size_);
+    } else {
+      TORCH_CHECK(static_cast<int>(sp.size()) == size_, "xirang rank ", rank_, ": alltoall_base: ", which,
+                  " splits have ", sp.size(), " entries, expected ", size_);
+      int64_t sum = 0;
+      for (auto v : sp) sum += v;
+      TORCH_CHECK(sum == dim0, "xirang rank ", rank_, ": alltoall_base: ", which, " splits sum to ", sum,
+                  ", dim 0 is ", dim0);
+      rows = sp;
+    }
+    return rows;
+  };
+  auto in_rows = splitsOf(input, inputSplits, "input");
+  auto out_rows = splitsOf(output, outputSplits, "output");
+  auto fn = [this, output, input, in_rows, out_rows](OpCtx& ctx) {
+    Staged so = stage(output, false);
+    at::Tensor in = input.contiguous();
+    int64_t in_row = input.dim() == 0 ? 1 : (input.size(0) ? input.numel() / input.size(0) : 0);
+    int64_t out_row = output.dim() == 0 ? 1 : (output.size(0) ? output.numel() / output.size(0) : 0);
+    uint64_t es = input.element_size();
+    std::vector<SendSeg> sends;
+    std::vector<RecvSeg> recvs;
+    uint64_t ioff = 0, ooff = 0;
+    for (int r = 0; r < size_; ++r) {
+      uint64_t ib = static_cast<uint64_t>(in_rows[r] * in_row) * es, ob = static_cast<uint64_t>(out_rows[r] * out_row) * es;
+      sends.push_back(SendSeg{static_cast<const uint8_t*>(in.data_ptr()) + ioff, ib});
+      recvs.push_back(RecvSeg{static_cast<uint8_t*>(so.buf.data_ptr()) + ooff, ob});
+      ioff += ib;
+      ooff += ob;
+    }
+    xirang::alltoall(comm_, ctx, sends, recvs);
+    so.finish();
+  };
+  return enqueue(c10d::OpType::ALLTOALL_BASE, "xirang:all_to_all", OpKind::Alltoall, {output}, {input},
+                 toDType(input.scalar_type()), ReduceOp::None, static_cast<uint64_t>(input.numel()), opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall(std::vector<at::Tensor>& outputs,
+                                                            std::vector<at::Tensor>& inputs,
+                                                            const c10d::AllToAllOptions& opts) {
+  TORCH_CHECK(static_cast<int>(outputs.size()) == size_ && static_cast<int>(inputs.size()) == size_, "xirang rank ",
+              rank_, ": alltoall: expected ", size_, " input and output tensors, got ", inputs.size(), " and ",
+              outputs.size());
+  checkTensors(rank_, "alltoall", inputs);
+  checkTensors(rank_, "alltoall", outputs);
+  for (auto& t : inputs) checkSameType(rank_, "alltoall", inputs[0], t);
+  for (auto& t : outputs) checkSameType(rank_, "alltoall", inputs[0], t);
+  auto outs = outputs;
+  auto ins = inputs;
+  auto fn = [this, outs, ins](OpCtx& ctx) {
+    std::vector<at::Tensor> in_c, out_c;
+    std::vector<SendSeg> sends;
+    std::vector<RecvSeg> recvs;
+    for (int r = 0; r < size_; ++r) {
+      in_c.push_back(ins[r].contiguous());
+      out_c.push_back(outs[r].is_contiguous() ? outs[r] : at::empty_like(outs[r], at::MemoryFormat::Contiguous));
+      sends.push_back(SendSeg{in_c[r].data_ptr(), nbytes(in_c[r])});
+      recvs.push_back(RecvSeg{out_c[r].data_ptr(), nbytes(out_c[r])});
+    }
+    xirang::alltoall(comm_, ctx, sends, recvs);
+    for (int r = 0; r < size_; ++r)
+      if (!out_c[r].is_same(outs[r])) outs[r].copy_(out_c[r]);
+  };
+  uint64_t total = 0;
+  for (auto& t : inputs) total += static_cast<uint64_t>(t.numel());
+  return enqueue(c10d::OpType::ALLTOALL, "xirang:all_to_all", OpKind::Alltoall, outputs, inputs,
+                 toDType(inputs[0].scalar_type()), ReduceOp::None, total, opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::GatherOptions& opts) {
+  TORCH_CHECK(inputs.size() == 1, "xirang rank ", rank_, ": gather takes exactly one input tensor");
+  checkTensors(rank_, "gather", inputs);
+  int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK(root >= 0 && root < size_, "xirang rank ", rank_, ": gather: invalid root ", root);
+  at::Tensor in = inputs[0];
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, "xirang rank ", rank_,
+                ": gather: the root needs a list of ", size_, " output tensors");
+    outs = outputs[0];
+    checkTensors(rank_, "gather", outs);
+    for (auto& o : outs) {
+      checkSameType(rank_, "gather", in, o);
+      TORCH_CHECK(o.numel() == in.numel(), "xirang rank ", rank_, ": gather: output has ", o.numel(),
+                  " elements, input ", in.numel());
+    }
+  } else {
+    TORCH_CHECK(outputs.empty() || outputs[0].empty(), "xirang rank ", rank_,
+                ": gather: only the root passes output tensors");
+  }
+  auto fn = [this, in, outs, root](OpCtx& ctx) {
+    at::Tensor ic = in.contiguous();
+    std::vector<at::Tensor> oc;
+    std::vector<RecvSeg> blocks;
+    for (auto& o : outs) {
+      oc.push_back(o.is_contiguous() ? o : at::empty_like(o, at::MemoryFormat::Contiguous));
+      blocks.push_back(RecvSeg{oc.back().data_ptr(), nbytes(oc.back())});
+    }
+    xirang::gather(comm_, ctx, SendSeg{ic.data_ptr(), nbytes(ic)}, blocks, root);
+    for (size_t r = 0; r < outs.size(); ++r)
+      if (!oc[r].is_same(outs[r])) outs[r].copy_(oc[r]);
+  };
+  return enqueue(c10d::OpType::GATHER, "xirang:gather", OpKind::Gather, outs, inputs, toDType(in.scalar_type()),
+                 ReduceOp::None, static_cast<uint64_t>(in.numel()), opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::scatter(std::vector<at::Tensor>& outputs,
+                                                           std::vector<std::vector<at::Tensor>>& inputs,
+                                                           const c10d::ScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == 1, "xirang rank ", rank_, ": scatter takes exactly one output tensor");
+  checkTensors(rank_, "scatter", outputs);
+  int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK(root >= 0 && root < size_, "xirang rank ", rank_, ": scatter: invalid root ", root);
+  at::Tensor out = outputs[0];
+  std::vector<at::Tensor> ins;
+  if (rank_ == root) {
+    TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, "xirang rank ", rank_,
+                ": scatter: the root needs a list of ", size_, " input tensors");
+    ins = inputs[0];
+    checkTensors(rank_, "scatter", ins);
+    for (auto& t : ins) {
+      checkSameType(rank_, "scatter", out, t);
+      TORCH_CHECK(t.numel() == out.numel(), "xirang rank ", rank_, ": scatter: input has ", t.numel(),
+                  " elements, output ", out.numel());
+    }
+  } else {
+    TORCH_CHECK(inputs.empty() || inputs[0].empty(), "xirang rank ", rank_,
+                ": scatter: only the root passes input tensors");
+  }
+  auto fn = [this, out, ins, root](OpCtx& ctx) {
+    std::vector<at::Tensor> ic;
+    std::vector<SendSeg> blocks;
+    for (auto& t : ins) {
+      ic.push_back(t.contiguous());
+      blocks.push_back(SendSeg{ic.back().data_ptr(), nbytes(ic.back())});
+    }
+    Staged so = stage(out, false);
+    xirang::scatter(comm_, ctx, blocks, RecvSeg{so.buf.data_ptr(), nbytes(so.buf)}, root);
+    so.finish();
+  };
+  return enqueue(c10d::OpType::SCATTER, "xirang:scatter", OpKind::Scatter, outputs, ins, toDType(out.scalar_type()),
+                 ReduceOp::None, static_cast<uint64_t>(out.numel()), opts.timeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::barrier(const c10d::BarrierOptions& opts) {
+  auto fn = [this](OpCtx& ctx) {
+    uint8_t one = 1;
+    xirang::allreduce(comm_, ctx, &one, 1, DType::UInt8, ReduceOp::Max);
+  };
+  return enqueue(c10d::OpType::BARRIER, "xirang:barrier", OpKind::Barrier, {}, {}, DType::UInt8, ReduceOp::Max, 1,
+                 opts.timeout, fn);
+}
+
+// ---------------------------------------------------------------- point to point
+
+// Point-to-point messages travel on the same ordered connections as collectives, as one framed
+// message carrying the tag. A send may block until the receiver posts the matching recv (like
+// NCCL); inside startCoalescing/endCoalescing (batch_isend_irecv) all sends and receives run as
+// one concurrent exchange, so rings of isend/irecv cannot deadlock.
+namespace {
+struct P2P {
+  bool is_send;
+  int peer;
+  int tag;
+  at::Tensor tensor;  // contiguous staging
+  at::Tensor user;
+};
+}  // namespace
+
+static transport::FrameHeader p2pHeader(const at::Tensor& t, int tag) {
+  transport::FrameHeader h;
+  h.kind = transport::FrameKind::Data;
+  h.op = OpKind::Send;
+  h.dtype = toDType(t.scalar_type());
+  h.tag = static_cast<uint32_t>(tag);
+  h.op_numel = static_cast<uint64_t>(t.numel());
+  return h;
+}
+
+static void runP2P(const Comm& comm, const OpCtx& ctx, std::vector<P2P>& ops) {
+  std::vector<transport::SendJob> sends;
+  std::vector<transport::RecvJob> recvs;
+  for (auto& p : ops) {
+    if (p.is_send) {
+      sends.push_back({p.peer, p2pHeader(p.tensor, p.tag), {SendSeg{p.tensor.data_ptr(), nbytes(p.tensor)}}});
+    } else {
+      recvs.push_back({p.peer, p2pHeader(p.tensor, p.tag), {RecvSeg{p.tensor.data_ptr(), nbytes(p.tensor)}}, nullptr});
+    }
+  }
+  uint64_t before = comm.tcp->payloadBytesSent();
+  comm.tcp->exchange(sends, recvs, ctx.deadline);
+  if (ctx.phases) {
+    ctx.phases->bytes_sent += comm.tcp->payloadBytesSent() - before;
+    ctx.phases->algorithm = "p2p";
+  }
+  for (auto& p : ops)
+    if (!p.is_send && !p.tensor.is_same(p.user)) p.user.copy_(p.tensor);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": send takes exactly one tensor");
+  checkTensors(rank_, "send", tensors);
+  TORCH_CHECK(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "xirang rank ", rank_, ": send: invalid peer ",
+              dstRank);
+  at::Tensor t = tensors[0];
+  std::vector<P2P> ops{{true, dstRank, tag, t.contiguous(), t}};
+  auto fn = [this, ops](OpCtx& ctx) mutable { runP2P(comm_, ctx, ops); };
+  return enqueue(c10d::OpType::SEND, "xirang:send", OpKind::Send, tensors, tensors, toDType(t.scalar_type()),
+                 ReduceOp::None, static_cast<uint64_t>(t.numel()), c10d::kUnsetTimeout, fn);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": recv takes exactly one tensor");
+  checkTensors(rank_, "recv", tensors);
+  TORCH_CHECK(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "xirang rank ", rank_, ": recv: invalid peer ",
+              srcRank);
+  at::Tensor t = tensors[0];
+  std::vector<P2P> ops{{false, srcRank, tag, t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous), t}};
+  auto fn = [this, ops](OpCtx& ctx) mutable { runP2P(comm_, ctx, ops); };
+  auto w = enqueue(c10d::OpType::RECV, "xirang:recv", OpKind::Send, tensors, tensors, toDType(t.scalar_type()),
+                   ReduceOp::None, static_cast<uint64_t>(t.numel()), c10d::kUnsetTimeout, fn);
+  static_cast<WorkXirang*>(w.get())->source_rank_ = srcRank;
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": recv takes exactly one tensor");
+  checkTensors(rank_, "recv", tensors);
+  at::Tensor t = tensors[0];
+  auto holder = std::make_shared<c10::intrusive_ptr<c10d::Work>>();
+  auto fn = [this, t, tag, holder](OpCtx& ctx) {
+    int src = comm_.tcp->waitAnySource(ctx.deadline);
+    std::vector<P2P> ops{{false, src, tag, t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous), t}};
+    runP2P(comm_, ctx, ops);
+    static_cast<WorkXirang*>(holder->get())->source_rank_ = src;
+  };
+  auto w = enqueue(c10d::OpType::RECVANYSOURCE, "xirang:recv_anysource", OpKind::Send, tensors, tensors,
+                   toDType(t.scalar_type()), ReduceOp::None, static_cast<uint64_t>(t.numel()), c10d::kUnsetTimeout, fn);
+  *holder = w;
+  return w;
+}
+
+void ProcessGroupXirang::startCoalescing() {
+  TORCH_CHECK(!coalescing_, "xirang rank ", rank_, ": startCoalescing called twice");
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::endCoalescing() {
+  TORCH_CHECK(coalescing_, "xirang rank ", rank_, ": endCoalescing without startCoalescing");
+  coalescing_ = false;
+  auto works = std::move(coalesced_);
+  coalesced_.clear();
+  // A Work completing after every coalesced one (the queue runs in order) and rethrowing theirs.
+  auto fn = [works](OpCtx&) {
+    for (auto& w : works)
+      if (auto e = w->exception()) std::rethrow_exception(e);
+  };
+  return enqueue(c10d::OpType::COALESCED, "xirang:coalesced", OpKind::None, {}, {}, DType::UInt8, ReduceOp::None, 0,
+                 c10d::kUnsetTimeout, fn);
+}
+
+}  // namespace xirang

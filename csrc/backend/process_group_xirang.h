@@ -1,0 +1,185 @@
+// ProcessGroupXirang: the c10d::Backend behind torch.distributed's "xirang" backend.
+//
+// Three phases per collective, like c10d's ProcessGroupGloo: (1) on the caller's thread, check
+// the inputs (device, dtype, sizes), prepare contiguous / widened buffers and take the next
+// sequence number; (2) on the communication thread, run the algorithm from core/collectives
+// under the caller's thread-local state and the op's deadline; (3) copy results back, finish
+// the Work (which ends its profiler range "xirang:<op>") and complete its Future.
+//
+// Failure model (fail-fast): the first error in any operation (peer closed, mismatch, timeout)
+// poisons the group; it is sent to every connected peer as an abort frame and every later
+// operation raises it.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ThreadLocalState.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "core/collectives.h"
+#include "core/transport/tcp.h"
+
+namespace xirang {
+
+// One operation's record for stats / the latency breakdown. Times in seconds, sizes in bytes.
+struct OpRecord {
+  uint64_t seq = 0;
+  std::string op;            // "all_reduce", "allreduce_bf16_ef", ...
+  std::string algorithm;     // "ring", "direct", "chain", "ring_bf16_ef"
+  int64_t group_id = -1;     // the hook's layer group, -1 otherwise
+  std::string dtype;
+  uint64_t numel = 0;
+  uint64_t bytes_raw = 0;    // payload this rank would send uncompressed (same algorithm)
+  uint64_t bytes_wire = 0;   // payload this rank sent (headers excluded)
+  double t_enqueue = 0;      // seconds since the group was created
+  double queued_s = 0, encode_s = 0, scatter_reduce_s = 0, allgather_s = 0, decode_s = 0, total_s = 0;
+  bool ok = true;
+};
+
+struct XirangConfig {
+  std::string group_name;
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  std::string algorithm = "auto";   // auto, ring, direct
+  std::vector<int> ring;            // ring order (group ranks); empty = 0..size-1
+};
+
+class WorkXirang : public c10d::Work {
+ public:
+  WorkXirang(int rank, c10d::OpType type, const char* profilingTitle, std::vector<at::Tensor> outputs,
+             const std::optional<std::vector<at::Tensor>>& inputs);
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  std::vector<at::Tensor> result() override;
+  int sourceRank() const override { return source_rank_; }
+  // Called once by the communication thread.
+  void complete(std::exception_ptr error);
+
+  int source_rank_ = -1;
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class ProcessGroupXirang : public c10d::Backend {
+ public:
+  // Connects nothing yet: the listener is opened and its address published to `store`;
+  // connections to peers are made by the first operation that needs them.
+  // Throws c10::Error if the store times out or no address can be bound.
+  ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, XirangConfig cfg);
+  ~ProcessGroupXirang() override;
+
+  const std::string getBackendName() const override { return "xirang"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits, const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  // Coalescing (batch_isend_irecv, the coalescing manager): ops issued between start and end
+  // run as they are issued; endCoalescing returns a Work that completes when all have.
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  void abort() override;
+  void shutdown() override;
+  void setTimeout(std::chrono::milliseconds timeout) override { cfg_.timeout = timeout; }
+
+  // The hook's operation: BF16 error-feedback ring allreduce (average) of a flat fp32 buffer.
+  // buffer, residual, staged: 1-D contiguous float32 CPU tensors of equal numel; residual is
+  // read, the new residual is written to staged (must not share storage with residual).
+  // Future value: [buffer]. Errors: c10::Error (ValueError-like) for bad arguments.
+  c10::intrusive_ptr<c10d::Work> allreduceBF16EF(at::Tensor buffer, at::Tensor residual, at::Tensor staged,
+                                                 int64_t group_id);
+
+  // This rank's operation records (bounded ring buffer, oldest first) and clearing them.
+  std::vector<OpRecord> records();
+  void clearRecords();
+  const std::vector<int>& ringOrder() const { return comm_.ring; }
+  std::string address() const { return tcp_ ? tcp_->address() : ""; }
+  uint64_t sequenceNumber() const { return seq_; }
+
+ private:
+  using Fn = std::function<void(OpCtx&)>;
+  struct Op {
+    c10::intrusive_ptr<WorkXirang> work;
+    Fn fn;
+    OpCtx ctx;
+    std::chrono::milliseconds timeout;
+    at::ThreadLocalState tls;
+    OpRecord rec;
+    std::chrono::steady_clock::time_point enqueued;
+  };
+
+  // Prepares an Op and queues it; returns its Work.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, transport::OpKind kind,
+                                         std::vector<at::Tensor> outputs, const std::vector<at::Tensor>& inputs,
+                                         DType dtype, ReduceOp reduce, uint64_t numel, std::chrono::milliseconds timeout,
+                                         Fn fn, int64_t group_id = -1);
+  void runLoop();
+  void checkPoisoned();
+  std::string describe(const Op& op) const;
+
+  XirangConfig cfg_;
+  std::shared_ptr<transport::Store> store_;
+  std::unique_ptr<transport::Tcp> tcp_;
+  Comm comm_;
+  uint64_t seq_ = 0;  // caller's thread(s) only
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Op> queue_;
+  bool stop_ = false;
+  std::string poison_;
+  std::thread thread_;
+
+  std::mutex rec_mu_;
+  std::deque<OpRecord> records_;
+  size_t record_capacity_ = 65536;
+  std::chrono::steady_clock::time_point created_;
+
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
+};
+
+}  // namespace xirang

@@ -1,0 +1,488 @@
+// BF16 codec with error feedback: scalar reference, AVX2 and AVX-512 BF16 paths.
+// See codec.h for the contract; every path must produce the scalar path's bits.
+//
+// No path may fuse x*scale with the following add. The build passes -ffp-contract=off, but
+// the products are also passed through an empty asm barrier (opaque*), so the guarantee holds
+// even where this file is compiled with GCC's default -ffp-contract=fast (e.g. the
+// avx512f target implies FMA, and intrinsic mul/add are ordinary vector ops that GCC contracts).
+#include "core/codec.h"
+
+#include <atomic>
+#include <cctype>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() (`__m512i __Y = __Y;`) and
+// trip a false -Wmaybe-uninitialized once inlined (GCC PR 105593, fixed in 13).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace xirang::codec {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Scalar reference
+// ---------------------------------------------------------------------------------------------
+
+inline uint32_t bitsOf(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+inline float floatOf(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// Keeps the compiler from fusing the product into a later add (the value must exist, rounded,
+// in a register at this point).
+inline float opaque(float v) {
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+x"(v));
+#elif defined(__aarch64__)
+  __asm__("" : "+w"(v));
+#else
+  volatile float t = v;
+  v = t;
+#endif
+  return v;
+}
+
+// RNE on the dropped 16 bits; NaN -> quiet NaN with sign and top payload bits.
+inline uint16_t rneBits(uint32_t u) {
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  // Cannot overflow 32 bits: the largest non-NaN pattern is 0xFF800000.
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float widen(uint16_t b) { return floatOf(static_cast<uint32_t>(b) << 16); }
+
+void encodeScalar(const float* x, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = rneBits(bitsOf(x[i]));
+}
+
+void decodeScalar(const uint16_t* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = widen(in[i]);
+}
+
+void decodeAccumulateScalar(const uint16_t* in, float* acc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + widen(in[i]);
+}
+
+void encodeEFScalar(const float* x, float scale, const float* r_in, float* r_out, uint16_t* out,
+                    int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = opaque(x[i] * scale);
+    const float s = p + r_in[i];
+    const uint16_t o = rneBits(bitsOf(s));
+    out[i] = o;
+    r_out[i] = s - widen(o);
+  }
+}
+
+void accumulateEncodeEFScalar(const uint16_t* in, const float* x, float scale, const float* r_in,
+                              float* r_out, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float d = widen(in[i]);  // read before out[i] (may alias in) is written
+    const float p = opaque(x[i] * scale);
+    const float t = p + r_in[i];
+    const float s = d + t;
+    const uint16_t o = rneBits(bitsOf(s));
+    out[i] = o;
+    r_out[i] = s - widen(o);
+  }
+}
+
+#if defined(__x86_64__)
+
+// ---------------------------------------------------------------------------------------------
+// AVX2: integer RNE on 8 lanes. (Only "avx2" is enabled, not "fma": the compiler then cannot
+// emit an FMA at all, on top of the opaque barriers.)
+// ---------------------------------------------------------------------------------------------
+
+#define XR_AVX2 __attribute__((target("avx2")))
+
+XR_AVX2 inline __m256 opaque8(__m256 v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
+
+// 8 fp32 bit patterns -> 8 bf16 patterns, each in the low half of a 32-bit lane.
+XR_AVX2 inline __m256i rne8(__m256i u) {
+  const __m256i hi = _mm256_srli_epi32(u, 16);
+  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i isNan = _mm256_cmpgt_epi32(absu, _mm256_set1_epi32(0x7F800000));  // both >= 0
+  const __m256i quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rounded, quiet, isNan);
+}
+
+// 8 lanes of values <= 0xFFFF -> 8 uint16 (packus saturation never triggers).
+XR_AVX2 inline __m128i pack8(__m256i r) {
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+XR_AVX2 inline __m256 widen8(__m128i b) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
+XR_AVX2 void encodeAVX2(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), pack8(rne8(u)));
+  }
+  encodeScalar(x + i, out + i, n - i);
+}
+
+XR_AVX2 void decodeAVX2(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  }
+  decodeScalar(in + i, out + i, n - i);
+}
+
+XR_AVX2 void decodeAccumulateAVX2(const uint16_t* in, float* acc, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 d = widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), d));
+  }
+  decodeAccumulateScalar(in + i, acc + i, n - i);
+}
+
+XR_AVX2 void encodeEFAVX2(const float* x, float scale, const float* r_in, float* r_out,
+                          uint16_t* out, int64_t n) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 p = opaque8(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
+    const __m256 s = _mm256_add_ps(p, _mm256_loadu_ps(r_in + i));
+    const __m256i r = rne8(_mm256_castps_si256(s));
+    const __m256 back = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), pack8(r));
+    _mm256_storeu_ps(r_out + i, _mm256_sub_ps(s, back));
+  }
+  encodeEFScalar(x + i, scale, r_in + i, r_out + i, out + i, n - i);
+}
+
+XR_AVX2 void accumulateEncodeEFAVX2(const uint16_t* in, const float* x, float scale,
+                                    const float* r_in, float* r_out, uint16_t* out, int64_t n) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 d = widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    const __m256 p = opaque8(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
+    const __m256 t = _mm256_add_ps(p, _mm256_loadu_ps(r_in + i));
+    const __m256 s = _mm256_add_ps(d, t);
+    const __m256i r = rne8(_mm256_castps_si256(s));
+    const __m256 back = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), pack8(r));
+    _mm256_storeu_ps(r_out + i, _mm256_sub_ps(s, back));
+  }
+  accumulateEncodeEFScalar(in + i, x + i, scale, r_in + i, r_out + i, out + i, n - i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 BF16: VCVTNEPS2BF16 on 16 lanes. The instruction treats denormal inputs as zero
+// (and its NaN handling is not ours to rely on), so lanes whose input is a nonzero denormal or
+// a NaN are replaced by the integer-RNE result. Tails use masked loads/stores.
+// ---------------------------------------------------------------------------------------------
+
+#define XR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+XR_AVX512 inline __m512 opaque16(__m512 v) {
+  __asm__("" : "+v"(v));
+  return v;
+}
+
+// 16 fp32 -> 16 bf16 patterns (packed uint16), bit-identical to rneBits.
+XR_AVX512 inline __m256i cvt16(__m512 s) {
+  __m256i o = (__m256i)_mm512_cvtneps_pbh(s);
+  const __m512i u = _mm512_castps_si512(s);
+  const __m512i absu = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  // nonzero denormal: absu - 1 < 0x7FFFFF (unsigned); NaN: absu > 0x7F800000.
+  const __mmask16 special =
+      _mm512_cmplt_epu32_mask(_mm512_sub_epi32(absu, _mm512_set1_epi32(1)),
+                              _mm512_set1_epi32(0x007FFFFF)) |
+      _mm512_cmpgt_epu32_mask(absu, _mm512_set1_epi32(0x7F800000));
+  if (__builtin_expect(special != 0, 0)) {
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __m512i quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
+    const __mmask16 isNan = _mm512_cmpgt_epu32_mask(absu, _mm512_set1_epi32(0x7F800000));
+    const __m512i fixed = _mm512_mask_blend_epi32(isNan, rounded, quiet);
+    o = _mm256_mask_blend_epi16(special, o, _mm512_cvtepi32_epi16(fixed));
+  }
+  return o;
+}
+
+XR_AVX512 inline __m512 widen16(__m256i b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+XR_AVX512 inline __mmask16 tailMask(int64_t rem) {
+  return static_cast<__mmask16>((1u << rem) - 1u);
+}
+
+XR_AVX512 void encodeAVX512(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), cvt16(_mm512_loadu_ps(x + i)));
+  }
+  if (i < n) {
+    const __mmask16 k = tailMask(n - i);
+    _mm256_mask_storeu_epi16(out + i, k, cvt16(_mm512_maskz_loadu_ps(k, x + i)));
+  }
+}
+
+XR_AVX512 void decodeAVX512(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(out + i,
+                     widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+  }
+  if (i < n) {
+    const __mmask16 k = tailMask(n - i);
+    _mm512_mask_storeu_ps(out + i, k, widen16(_mm256_maskz_loadu_epi16(k, in + i)));
+  }
+}
+
+XR_AVX512 void decodeAccumulateAVX512(const uint16_t* in, float* acc, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 d = widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)));
+    _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), d));
+  }
+  if (i < n) {
+    const __mmask16 k = tailMask(n - i);
+    const __m512 d = widen16(_mm256_maskz_loadu_epi16(k, in + i));
+    _mm512_mask_storeu_ps(acc + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, acc + i), d));
+  }
+}
+
+XR_AVX512 inline void encodeEF16(const float* x, __m512 vs, const float* r_in, float* r_out,
+                                 uint16_t* out, __mmask16 k) {
+  const __m512 p = opaque16(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x), vs));
+  const __m512 s = _mm512_add_ps(p, _mm512_maskz_loadu_ps(k, r_in));
+  const __m256i o = cvt16(s);
+  _mm256_mask_storeu_epi16(out, k, o);
+  _mm512_mask_storeu_ps(r_out, k, _mm512_sub_ps(s, widen16(o)));
+}
+
+XR_AVX512 void encodeEFAVX512(const float* x, float scale, const float* r_in, float* r_out,
+                              uint16_t* out, int64_t n) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    encodeEF16(x + i, vs, r_in + i, r_out + i, out + i, static_cast<__mmask16>(0xFFFF));
+  }
+  if (i < n) encodeEF16(x + i, vs, r_in + i, r_out + i, out + i, tailMask(n - i));
+}
+
+XR_AVX512 inline void accumulateEncodeEF16(const uint16_t* in, const float* x, __m512 vs,
+                                           const float* r_in, float* r_out, uint16_t* out,
+                                           __mmask16 k) {
+  const __m512 d = widen16(_mm256_maskz_loadu_epi16(k, in));
+  const __m512 p = opaque16(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x), vs));
+  const __m512 t = _mm512_add_ps(p, _mm512_maskz_loadu_ps(k, r_in));
+  const __m512 s = _mm512_add_ps(d, t);
+  const __m256i o = cvt16(s);
+  _mm256_mask_storeu_epi16(out, k, o);
+  _mm512_mask_storeu_ps(r_out, k, _mm512_sub_ps(s, widen16(o)));
+}
+
+XR_AVX512 void accumulateEncodeEFAVX512(const uint16_t* in, const float* x, float scale,
+                                        const float* r_in, float* r_out, uint16_t* out,
+                                        int64_t n) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    accumulateEncodeEF16(in + i, x + i, vs, r_in + i, r_out + i, out + i,
+                         static_cast<__mmask16>(0xFFFF));
+  }
+  if (i < n) {
+    accumulateEncodeEF16(in + i, x + i, vs, r_in + i, r_out + i, out + i, tailMask(n - i));
+  }
+}
+
+#endif  // __x86_64__
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch
+// ---------------------------------------------------------------------------------------------
+
+std::atomic<int> gPath{-1};
+
+Path resolveFromEnv() {
+  const char* env = std::getenv("XIRANG_CODEC");
+  std::string v = env ? env : "";
+  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (v.empty() || v == "auto") {
+    if (pathAvailable(Path::AVX512BF16)) return Path::AVX512BF16;
+    if (pathAvailable(Path::AVX2)) return Path::AVX2;
+    return Path::Scalar;
+  }
+  for (Path p : {Path::Scalar, Path::AVX2, Path::AVX512BF16}) {
+    if (v == pathName(p)) {
+      if (!pathAvailable(p)) {
+        throw std::runtime_error(std::string("XIRANG_CODEC=") + env + ": codec path '" +
+                                 pathName(p) + "' is not available on this CPU/build");
+      }
+      return p;
+    }
+  }
+  throw std::runtime_error(std::string("XIRANG_CODEC=") + env +
+                           ": unknown codec path (expected auto, avx512bf16, avx2 or scalar)");
+}
+
+void checkN(int64_t n, const char* fn) {
+  if (n < 0) {
+    throw std::invalid_argument(std::string("xirang::codec::") + fn +
+                                ": negative element count " + std::to_string(n));
+  }
+}
+
+}  // namespace
+
+const char* pathName(Path p) {
+  switch (p) {
+    case Path::Scalar:
+      return "scalar";
+    case Path::AVX2:
+      return "avx2";
+    case Path::AVX512BF16:
+      return "avx512bf16";
+  }
+  return "unknown";
+}
+
+bool pathAvailable(Path p) {
+  switch (p) {
+    case Path::Scalar:
+      return true;
+#if defined(__x86_64__)
+    case Path::AVX2:
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx2");
+    case Path::AVX512BF16:
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+    case Path::AVX2:
+    case Path::AVX512BF16:
+      return false;
+#endif
+  }
+  return false;
+}
+
+Path activePath() {
+  int p = gPath.load(std::memory_order_acquire);
+  if (p >= 0) return static_cast<Path>(p);
+  int resolved = static_cast<int>(resolveFromEnv());  // throws if forced path is unavailable
+  int expected = -1;
+  gPath.compare_exchange_strong(expected, resolved, std::memory_order_acq_rel);
+  return static_cast<Path>(gPath.load(std::memory_order_acquire));
+}
+
+void setPathForTesting(Path p) {
+  if (!pathAvailable(p)) {
+    throw std::runtime_error(std::string("xirang::codec::setPathForTesting: codec path '") +
+                             pathName(p) + "' is not available on this CPU/build");
+  }
+  gPath.store(static_cast<int>(p), std::memory_order_release);
+}
+
+uint16_t f32ToBf16(float x) { return rneBits(bitsOf(x)); }
+
+float bf16ToF32(uint16_t b) { return widen(b); }
+
+void encode(const float* x, uint16_t* out, int64_t n) {
+  checkN(n, "encode");
+  switch (activePath()) {
+#if defined(__x86_64__)
+    case Path::AVX512BF16:
+      return encodeAVX512(x, out, n);
+    case Path::AVX2:
+      return encodeAVX2(x, out, n);
+#endif
+    default:
+      return encodeScalar(x, out, n);
+  }
+}
+
+void decode(const uint16_t* in, float* out, int64_t n) {
+  checkN(n, "decode");
+  switch (activePath()) {
+#if defined(__x86_64__)
+    case Path::AVX512BF16:
+      return decodeAVX512(in, out, n);
+    case Path::AVX2:
+      return decodeAVX2(in, out, n);
+#endif
+    default:
+      return decodeScalar(in, out, n);
+  }
+}
+
+void decodeAccumulate(const uint16_t* in, float* acc, int64_t n) {
+  checkN(n, "decodeAccumulate");
+  switch (activePath()) {
+#if defined(__x86_64__)
+    case Path::AVX512BF16:
+      return decodeAccumulateAVX512(in, acc, n);
+    case Path::AVX2:
+      return decodeAccumulateAVX2(in, acc, n);
+#endif
+    default:
+      return decodeAccumulateScalar(in, acc, n);
+  }
+}
+
+void encodeEF(const float* x, float scale, const float* r_in, float* r_out, uint16_t* out,
+              int64_t n) {
+  checkN(n, "encodeEF");
+  switch (activePath()) {
+#if defined(__x86_64__)
+    case Path::AVX512BF16:
+      return encodeEFAVX512(x, scale, r_in, r_out, out, n);
+    case Path::AVX2:
+      return encodeEFAVX2(x, scale, r_in, r_out, out, n);
+#endif
+    default:
+      return encodeEFScalar(x, scale, r_in, r_out, out, n);
+  }
+}
+
+void accumulateEncodeEF(const uint16_t* in, const float* x, float scale, const float* r_in,
+                        float* r_out, uint16_t* out, int64_t n) {
+  checkN(n, "accumulateEncodeEF");
+  switch (activePath()) {
+#if defined(__x86_64__)
+    case Path::AVX512BF16:
+      return accumulateEncodeEFAVX512(in, x, scale, r_in, r_out, out, n);
+    case Path::AVX2:
+      return accumulateEncodeEFAVX2(in, x, scale, r_in, r_out, out, n);
+#endif
+    default:
+      return accumulateEncodeEFScalar(in, x, scale, r_in, r_out, out, n);
+  }
+}
+
+}  // namespace xirang::codec

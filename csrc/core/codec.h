@@ -1,0 +1,82 @@
+// BF16 codec with error feedback: the arithmetic of the compressed ring (DESIGN.md,
+// "The compressed ring"). Torch-free, plain C++20.
+//
+// Data types: fp32 values are IEEE-754 binary32 (`float`); bf16 values are carried as their raw
+// 16 bits (`uint16_t`), i.e. the upper half of a binary32 with the same sign/exponent layout.
+//
+// Rounding rule (every path): fp32 -> bf16 is IEEE-754 roundTiesToEven ("RNE") on the 16 dropped
+// bits, with no exponent clamping:
+//   * ties go to the even bf16 significand, in both directions;
+//   * finite values past the bf16 maximum (0x7F7F = 3.3895314e38) round to +-inf exactly as RNE
+//     with an unbounded exponent says (anything >= 0x7F7F8000 in magnitude becomes inf);
+//   * denormals are rounded exactly like normals (no flush-to-zero, no denormals-are-zero);
+//   * +-inf stays +-inf; -0.0 stays -0.0;
+//   * NaN -> quiet NaN keeping the sign and the top 7 payload bits: (bits >> 16) | 0x0040.
+// bf16 -> fp32 is exact: bits << 16 (NaN payloads, signalling or not, are kept as they are).
+//
+// Paths: scalar (reference), AVX2 (integer RNE on 8 lanes) and AVX-512 BF16 (VCVTNEPS2BF16 on
+// 16 lanes, with denormal and NaN lanes patched to the integer RNE result). All paths give the
+// same bits as scalar for every input, provided each floating-point add/multiply has at most one
+// NaN operand. (When two NaNs meet in one add/multiply, x86 returns the first operand's payload
+// and compilers may commute operands, so which payload survives is unspecified; the result is
+// still NaN on every path.) Arithmetic is done as written - a multiply then separate adds, never
+// fused into an FMA, whatever -ffp-contract says. MXCSR is not touched: if the calling thread
+// enabled FTZ/DAZ, the fp32 arithmetic in the EF functions follows it (on every path alike).
+#pragma once
+
+#include <cstdint>
+
+namespace xirang::codec {
+
+enum class Path : int { Scalar = 0, AVX2 = 1, AVX512BF16 = 2 };
+
+// "scalar", "avx2", "avx512bf16" (the values XIRANG_CODEC accepts); "unknown" otherwise.
+const char* pathName(Path p);
+
+// Whether this CPU (and OS) can run path p: runtime check via __builtin_cpu_supports.
+// Scalar is always available; on non-x86-64 builds only Scalar exists.
+bool pathAvailable(Path p);
+
+// The path every function below dispatches to. On first use reads the environment variable
+// XIRANG_CODEC in {auto, avx512bf16, avx2, scalar} (unset or empty = auto = best available).
+// Forcing an unavailable path, or an unknown name, throws std::runtime_error naming it.
+Path activePath();
+
+// Overrides the active path (tests, benchmarks). Throws std::runtime_error if p is unavailable.
+void setPathForTesting(Path p);
+
+// One fp32 -> bf16 bit pattern, RNE as described above.
+uint16_t f32ToBf16(float x);
+// One bf16 bit pattern -> fp32, exact.
+float bf16ToF32(uint16_t b);
+
+// All functions below take n elements, int64_t n >= 0 (n < 0 throws std::invalid_argument;
+// pointers may be null when n == 0). Arrays are dense, element-contiguous; fp32 arrays are n
+// floats (4n bytes), bf16 arrays n uint16_t (2n bytes). No alignment is required. Pointers must
+// not overlap except where an exact alias (same pointer) is noted. `scale` is applied as
+// x*scale, a plain rounded multiply, never fused with the following add.
+
+// out[i] = bf16(x[i]).
+void encode(const float* x, uint16_t* out, int64_t n);
+// out[i] = f32(in[i]).
+void decode(const uint16_t* in, float* out, int64_t n);
+// acc[i] += f32(in[i])   (computed as acc[i] + f32(in[i])).
+void decodeAccumulate(const uint16_t* in, float* acc, int64_t n);
+
+// Fused error-feedback encode (first hop of the compressed ring):
+//   s = x*scale + r_in;  out = bf16(s);  r_out = s - f32(out)
+// For finite s with finite out, s == f32(out) + r_out exactly. A finite s beyond the bf16
+// range gives out = +-inf and r_out = -+inf (callers must treat non-finite outputs as a
+// skipped step and not commit the residual).
+// r_out may alias r_in.
+void encodeEF(const float* x, float scale, const float* r_in, float* r_out, uint16_t* out,
+              int64_t n);
+
+// Later hops and the owner's final rounding:
+//   s = f32(in) + (x*scale + r_in);  out = bf16(s);  r_out = s - f32(out)
+// (evaluated in that order: p = x*scale; t = p + r_in; s = f32(in) + t).
+// r_out may alias r_in; out may alias in.
+void accumulateEncodeEF(const uint16_t* in, const float* x, float scale, const float* r_in,
+                        float* r_out, uint16_t* out, int64_t n);
+
+}  // namespace xirang::codec

@@ -1,0 +1,385 @@
+#include "core/collectives.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+#include "core/codec.h"
+#include "core/reduce.h"
+#include "core/ring.h"
+
+namespace xirang {
+
+using transport::FrameHeader;
+using transport::RecvJob;
+using transport::RecvSeg;
+using transport::SendJob;
+using transport::SendSeg;
+
+int Comm::position() const {
+  auto it = std::find(ring.begin(), ring.end(), rank);
+  if (it == ring.end()) throw std::logic_error("xirang: rank " + std::to_string(rank) + " is not in the ring");
+  return static_cast<int>(it - ring.begin());
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+FrameHeader headerFor(const OpCtx& ctx, uint64_t aux) {
+  FrameHeader h;
+  h.op = ctx.op;
+  h.dtype = ctx.dtype;
+  h.reduce = ctx.reduce;
+  h.seq = ctx.seq;
+  h.op_numel = ctx.numel;
+  h.aux = aux;
+  return h;
+}
+
+// Byte segments of [base, base+bytes) of at most seg bytes, aligned to whole elements.
+template <typename Seg, typename Ptr>
+std::vector<Seg> segmentsOf(Ptr base, uint64_t bytes, uint64_t seg_bytes) {
+  std::vector<Seg> out;
+  for (uint64_t off = 0; off < bytes; off += seg_bytes) {
+    out.push_back(Seg{static_cast<Ptr>(static_cast<uint8_t*>(const_cast<void*>(static_cast<const void*>(base))) + off),
+                      std::min(seg_bytes, bytes - off)});
+  }
+  return out;
+}
+
+uint64_t segBytesFor(const Comm& comm, size_t elem) {
+  uint64_t s = static_cast<uint64_t>(std::max<int64_t>(comm.segment_bytes, 1));
+  s = std::max<uint64_t>(elem, s / elem * elem);
+  return s;
+}
+
+void runExchange(const Comm& comm, const OpCtx& ctx, std::vector<SendJob>& sends, std::vector<RecvJob>& recvs) {
+  uint64_t before = comm.tcp->payloadBytesSent();
+  comm.tcp->exchange(sends, recvs, ctx.deadline);
+  if (ctx.phases) ctx.phases->bytes_sent += comm.tcp->payloadBytesSent() - before;
+}
+
+void directAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
+  const int n = comm.size();
+  const uint64_t bytes = static_cast<uint64_t>(numel) * elementSize(wire);
+  std::vector<uint8_t> all(bytes * n);
+  const int me = comm.rank;
+  std::memcpy(all.data() + bytes * me, data, bytes);
+  std::vector<SendJob> sends;
+  std::vector<RecvJob> recvs;
+  for (int r : comm.ring) {
+    if (r == me) continue;
+    sends.push_back(SendJob{r, headerFor(ctx, 0), {SendSeg{data, bytes}}});
+    recvs.push_back(RecvJob{r, headerFor(ctx, 0), {RecvSeg{all.data() + bytes * r, bytes}}, nullptr});
+  }
+  auto t0 = Clock::now();
+  runExchange(comm, ctx, sends, recvs);
+  // Reduce in rank order on every rank: the same operands in the same order give the same bits.
+  std::vector<int> order = comm.ring;
+  std::sort(order.begin(), order.end());
+  std::memcpy(data, all.data() + bytes * order[0], bytes);
+  for (size_t i = 1; i < order.size(); ++i) reduceInto(data, all.data() + bytes * order[i], numel, wire, op);
+  if (ctx.phases) {
+    ctx.phases->scatter_reduce_s += since(t0);
+    ctx.phases->algorithm = "direct";
+  }
+}
+
+void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
+  const int n = comm.size();
+  const int pos = comm.position();
+  const size_t elem = elementSize(wire);
+  const int next = comm.ring[ring::nextPos(pos, n)];
+  const int prev = comm.ring[ring::prevPos(pos, n)];
+  auto chunks = ring::partition(numel, n);
+  int64_t max_chunk = 0;
+  for (auto& c : chunks) max_chunk = std::max(max_chunk, c.count);
+  std::vector<uint8_t> tmp(static_cast<size_t>(max_chunk) * elem);
+  uint8_t* base = static_cast<uint8_t*>(data);
+  const uint64_t seg = segBytesFor(comm, elem);
+
+  auto t0 = Clock::now();
+  for (int s = 0; s < n - 1; ++s) {
+    auto st = ring::scatterReduceStep(pos, n, s);
+    const auto& sc = chunks[st.send_chunk];
+    const auto& rc = chunks[st.recv_chunk];
+    std::vector<SendJob> sends{{next, headerFor(ctx, static_cast<uint64_t>(s)),
+                                segmentsOf<SendSeg, const void*>(base + sc.offset * elem, sc.count * elem, seg)}};
+    std::vector<RecvJob> recvs{{prev, headerFor(ctx, static_cast<uint64_t>(s)),
+                                segmentsOf<RecvSeg, void*>(tmp.data(), rc.count * elem, seg), nullptr}};
+    auto& rsegs = recvs[0].segs;
+    recvs[0].on_segment = [&](size_t i) {
+      uint64_t off = static_cast<uint8_t*>(rsegs[i].data) - tmp.data();
+      reduceInto(base + rc.offset * elem + off, rsegs[i].data, static_cast<int64_t>(rsegs[i].bytes / elem), wire, op);
+    };
+    runExchange(comm, ctx, sends, recvs);
+  }
+  auto t1 = Clock::now();
+  for (int s = 0; s < n - 1; ++s) {
+    auto st = ring::allgatherStep(pos, n, s);
+    const auto& sc = chunks[st.send_chunk];
+    const auto& rc = chunks[st.recv_chunk];
+    std::vector<SendJob> sends{{next, headerFor(ctx, 1000 + static_cast<uint64_t>(s)),
+                                segmentsOf<SendSeg, const void*>(base + sc.offset * elem, sc.count * elem, seg)}};
+    std::vector<RecvJob> recvs{{prev, headerFor(ctx, 1000 + static_cast<uint64_t>(s)),
+                                segmentsOf<RecvSeg, void*>(base + rc.offset * elem, rc.count * elem, seg), nullptr}};
+    runExchange(comm, ctx, sends, recvs);
+  }
+  if (ctx.phases) {
+    ctx.phases->scatter_reduce_s += std::chrono::duration<double>(t1 - t0).count();
+    ctx.phases->allgather_s += since(t1);
+    ctx.phases->algorithm = "ring";
+  }
+}
+
+}  // namespace
+
+void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
+  if (comm.size() <= 1 || numel == 0) return;
+  const uint64_t bytes = static_cast<uint64_t>(numel) * elementSize(wire);
+  bool direct = comm.algo == Comm::Algo::Direct ||
+                (comm.algo == Comm::Algo::Auto && (bytes <= static_cast<uint64_t>(comm.small_bytes) ||
+                                                   numel < comm.size()));
+  if (direct) {
+    directAllreduce(comm, ctx, data, numel, wire, op);
+  } else {
+    ringAllreduce(comm, ctx, data, numel, wire, op);
+  }
+}
+
+void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t numel) {
+  const int n = comm.size();
+  const float scale = 1.0f / static_cast<float>(n);
+  std::vector<uint16_t> wire(static_cast<size_t>(numel));
+  Phases dummy;
+  Phases& ph = ctx.phases ? *ctx.phases : dummy;
+  ph.algorithm = "ring_bf16_ef";
+  if (n <= 1 || numel == 0) {
+    auto t0 = Clock::now();
+    codec::encodeEF(x, scale, r_in, r_out, wire.data(), numel);
+    ph.encode_s += since(t0);
+    auto t1 = Clock::now();
+    codec::decode(wire.data(), x, numel);
+    ph.decode_s += since(t1);
+    return;
+  }
+  const int pos = comm.position();
+  const int next = comm.ring[ring::nextPos(pos, n)];
+  const int prev = comm.ring[ring::prevPos(pos, n)];
+  auto chunks = ring::partition(numel, n);
+  int64_t max_chunk = 0;
+  for (auto& c : chunks) max_chunk = std::max(max_chunk, c.count);
+  std::vector<uint16_t> tmp(static_cast<size_t>(max_chunk));
+  const uint64_t seg = segBytesFor(comm, 2);
+
+  // First hop: this position starts chunk ring::scatterReduceStep(pos, n, 0).send_chunk.
+  auto t0 = Clock::now();
+  {
+    const auto& c = chunks[ring::scatterReduceStep(pos, n, 0).send_chunk];
+    codec::encodeEF(x + c.offset, scale, r_in + c.offset, r_out + c.offset, wire.data() + c.offset, c.count);
+  }
+  ph.encode_s += since(t0);
+  auto t1 = Clock::now();
+  double hop_codec_s = 0;
+  for (int s = 0; s < n - 1; ++s) {
+    auto st = ring::scatterReduceStep(pos, n, s);
+    const auto& sc = chunks[st.send_chunk];
+    const auto& rc = chunks[st.recv_chunk];
+    std::vector<SendJob> sends{{next, headerFor(ctx, static_cast<uint64_t>(s)),
+                                segmentsOf<SendSeg, const void*>(wire.data() + sc.offset, sc.count * 2, seg)}};
+    std::vector<RecvJob> recvs{{prev, headerFor(ctx, static_cast<uint64_t>(s)),
+                                segmentsOf<RecvSeg, void*>(tmp.data(), rc.count * 2, seg), nullptr}};
+    auto& rsegs = recvs[0].segs;
+    recvs[0].on_segment = [&](size_t i) {
+      auto tc = Clock::now();
+      int64_t off = (static_cast<uint16_t*>(rsegs[i].data) - tmp.data()) + rc.offset;
+      int64_t cnt = static_cast<int64_t>(rsegs[i].bytes / 2);
+      // Partial sum so far + this rank's x/N + residual, re-encoded; the rounding error of this
+      // hop becomes this rank's residual for these elements (every rounding is fed back).
+      codec::accumulateEncodeEF(static_cast<const uint16_t*>(rsegs[i].data), x + off, scale, r_in + off,
+                                r_out + off, wire.data() + off, cnt);
+      hop_codec_s += since(tc);
+    };
+    runExchange(comm, ctx, sends, recvs);
+  }
+  auto t2 = Clock::now();
+  for (int s = 0; s < n - 1; ++s) {
+    auto st = ring::allgatherStep(pos, n, s);
+    const auto& sc = chunks[st.send_chunk];
+    const auto& rc = chunks[st.recv_chunk];
+    std::vector<SendJob> sends{{next, headerFor(ctx, 1000 + static_cast<uint64_t>(s)),
+                                segmentsOf<SendSeg, const void*>(wire.data() + sc.offset, sc.count * 2, seg)}};
+    std::vector<RecvJob> recvs{{prev, headerFor(ctx, 1000 + static_cast<uint64_t>(s)),
+                                segmentsOf<RecvSeg, void*>(wire.data() + rc.offset, rc.count * 2, seg), nullptr}};
+    runExchange(comm, ctx, sends, recvs);
+  }
+  auto t3 = Clock::now();
+  // Every rank, the owner included, decodes the same bf16 values: replicas are bitwise equal.
+  codec::decode(wire.data(), x, numel);
+  ph.decode_s += since(t3);
+  ph.encode_s += hop_codec_s;
+  ph.scatter_reduce_s += std::chrono::duration<double>(t2 - t1).count() - hop_codec_s;
+  ph.allgather_s += std::chrono::duration<double>(t3 - t2).count();
+}
+
+void broadcast(const Comm& comm, const OpCtx& ctx, void* data, uint64_t bytes, int root) {
+  const int n = comm.size();
+  if (n <= 1 || bytes == 0) return;
+  const int pos = comm.position();
+  auto rit = std::find(comm.ring.begin(), comm.ring.end(), root);
+  if (rit == comm.ring.end()) throw std::invalid_argument("xirang: broadcast root " + std::to_string(root) + " is not a member");
+  const int root_pos = static_cast<int>(rit - comm.ring.begin());
+  const int d = (pos - root_pos + n) % n;  // distance from the root along the ring
+  const int next = comm.ring[ring::nextPos(pos, n)];
+  const int prev = comm.ring[ring::prevPos(pos, n)];
+  auto segs = segmentsOf<RecvSeg, void*>(data, bytes, segBytesFor(comm, 1));
+  const int64_t nseg = static_cast<int64_t>(segs.size());
+  auto t0 = Clock::now();
+  // Iteration i: the rank at distance d receives segment i-d+1 and forwards segment i-d.
+  for (int64_t i = 0; i < nseg + n - 2; ++i) {
+    std::vector<SendJob> sends;
+    std::vector<RecvJob> recvs;
+    int64_t sk = i - d;
+    if (d < n - 1 && sk >= 0 && sk < nseg)
+      sends.push_back(SendJob{next, headerFor(ctx, static_cast<uint64_t>(root)), {SendSeg{segs[sk].data, segs[sk].bytes}}});
+    int64_t rk = i - d + 1;
+    if (d > 0 && rk >= 0 && rk < nseg)
+      recvs.push_back(RecvJob{prev, headerFor(ctx, static_cast<uint64_t>(root)), {segs[rk]}, nullptr});
+    if (!sends.empty() || !recvs.empty()) runExchange(comm, ctx, sends, recvs);
+  }
+  if (ctx.phases) {
+    ctx.phases->allgather_s += since(t0);
+    ctx.phases->algorithm = "chain";
+  }
+}
+
+void allgather(const Comm& comm, const OpCtx& ctx, const std::vector<RecvSeg>& blocks) {
+  const int n = comm.size();
+  if (n <= 1) return;
+  const int pos = comm.position();
+  const int next = comm.ring[ring::nextPos(pos, n)];
+  const int prev = comm.ring[ring::prevPos(pos, n)];
+  const uint64_t seg = segBytesFor(comm, 1);
+  auto t0 = Clock::now();
+  for (int s = 0; s < n - 1; ++s) {
+    const RecvSeg& sb = blocks[comm.ring[(pos - s + n) % n]];
+    const RecvSeg& rb = blocks[comm.ring[(pos - s - 1 + 2 * n) % n]];
+    std::vector<SendJob> sends{{next, headerFor(ctx, static_cast<uint64_t>(s)),
+                                segmentsOf<SendSeg, const void*>(sb.data, sb.bytes, seg)}};
+    std::vector<RecvJob> recvs{{prev, headerFor(ctx, static_cast<uint64_t>(s)),
+                                segmentsOf<RecvSeg, void*>(rb.data, rb.bytes, seg), nullptr}};
+    runExchange(comm, ctx, sends, recvs);
+  }
+  if (ctx.phases) {
+    ctx.phases->allgather_s += since(t0);
+    ctx.phases->algorithm = "ring";
+  }
+}
+
+void reduceScatter(const Comm& comm, const OpCtx& ctx, const std::vector<RecvSeg>& blocks, DType wire, ReduceOp op) {
+  const int n = comm.size();
+  if (n <= 1) return;
+  const int pos = comm.position();
+  const size_t elem = elementSize(wire);
+  const int next = comm.ring[ring::nextPos(pos, n)];
+  const int prev = comm.ring[ring::prevPos(pos, n)];
+  // Chunk c of the ring schedule is the block of rank ring[c-1]: position p then ends owning
+  // chunk p+1, i.e. its own block.
+  auto blockOf = [&](int chunk) -> const RecvSeg& { return blocks[comm.ring[(chunk - 1 + n) % n]]; };
+  uint64_t max_bytes = 0;
+  for (auto& b : blocks) max_bytes = std::max(max_bytes, b.bytes);
+  std::vector<uint8_t> tmp(max_bytes);
+  const uint64_t seg = segBytesFor(comm, elem);
+  auto t0 = Clock::now();
+  for (int s = 0; s < n - 1; ++s) {
+    auto st = ring::scatterReduceStep(pos, n, s);
+    const RecvSeg& sb = blockOf(st.send_chunk);
+    const RecvSeg& rb = blockOf(st.recv_chunk);
+    std::vector<SendJob> sends{{next, headerFor(ctx, static_cast<uint64_t>(s)),
+                                segmentsOf<SendSeg, const void*>(sb.data, sb.bytes, seg)}};
+    std::vector<RecvJob> recvs{{prev, headerFor(ctx, static_cast<uint64_t>(s)),
+                                segmentsOf<RecvSeg, void*>(tmp.data(), rb.bytes, seg), nullptr}};
+    auto& rsegs = recvs[0].segs;
+    recvs[0].on_segment = [&](size_t i) {
+      uint64_t off = static_cast<uint8_t*>(rsegs[i].data) - tmp.data();
+      reduceInto(static_cast<uint8_t*>(rb.data) + off, rsegs[i].data, static_cast<int64_t>(rsegs[i].bytes / elem), wire, op);
+    };
+    runExchange(comm, ctx, sends, recvs);
+  }
+  if (ctx.phases) {
+    ctx.phases->scatter_reduce_s += since(t0);
+    ctx.phases->algorithm = "ring";
+  }
+}
+
+void alltoall(const Comm& comm, const OpCtx& ctx, const std::vector<SendSeg>& sends_in, const std::vector<RecvSeg>& recvs_in) {
+  const int me = comm.rank;
+  if (recvs_in[me].bytes != sends_in[me].bytes)
+    throw std::invalid_argument("xirang: alltoall: rank " + std::to_string(me) + " sends itself " +
+                                std::to_string(sends_in[me].bytes) + " bytes but expects " +
+                                std::to_string(recvs_in[me].bytes));
+  if (recvs_in[me].bytes) std::memmove(recvs_in[me].data, sends_in[me].data, recvs_in[me].bytes);
+  std::vector<SendJob> sends;
+  std::vector<RecvJob> recvs;
+  const uint64_t seg = segBytesFor(comm, 1);
+  for (int r : comm.ring) {
+    if (r == me) continue;
+    // op_numel carries the pair's block size so uneven splits are checked pairwise.
+    FrameHeader hs = headerFor(ctx, 0);
+    hs.op_numel = sends_in[r].bytes;
+    FrameHeader hr = headerFor(ctx, 0);
+    hr.op_numel = recvs_in[r].bytes;
+    sends.push_back(SendJob{r, hs, segmentsOf<SendSeg, const void*>(sends_in[r].data, sends_in[r].bytes, seg)});
+    recvs.push_back(RecvJob{r, hr, segmentsOf<RecvSeg, void*>(recvs_in[r].data, recvs_in[r].bytes, seg), nullptr});
+  }
+  auto t0 = Clock::now();
+  runExchange(comm, ctx, sends, recvs);
+  if (ctx.phases) {
+    ctx.phases->allgather_s += since(t0);
+    ctx.phases->algorithm = "direct";
+  }
+}
+
+void gather(const Comm& comm, const OpCtx& ctx, SendSeg mine, const std::vector<RecvSeg>& blocks, int root) {
+  std::vector<SendJob> sends;
+  std::vector<RecvJob> recvs;
+  const uint64_t seg = segBytesFor(comm, 1);
+  if (comm.rank == root) {
+    if (blocks[root].bytes) std::memmove(blocks[root].data, mine.data, blocks[root].bytes);
+    for (int r : comm.ring) {
+      if (r == root) continue;
+      recvs.push_back(RecvJob{r, headerFor(ctx, static_cast<uint64_t>(root)),
+                              segmentsOf<RecvSeg, void*>(blocks[r].data, blocks[r].bytes, seg), nullptr});
+    }
+  } else {
+    sends.push_back(SendJob{root, headerFor(ctx, static_cast<uint64_t>(root)),
+                            segmentsOf<SendSeg, const void*>(mine.data, mine.bytes, seg)});
+  }
+  runExchange(comm, ctx, sends, recvs);
+  if (ctx.phases) ctx.phases->algorithm = "direct";
+}
+
+void scatter(const Comm& comm, const OpCtx& ctx, const std::vector<SendSeg>& blocks, RecvSeg mine, int root) {
+  std::vector<SendJob> sends;
+  std::vector<RecvJob> recvs;
+  const uint64_t seg = segBytesFor(comm, 1);
+  if (comm.rank == root) {
+    if (mine.bytes) std::memmove(mine.data, blocks[root].data, mine.bytes);
+    for (int r : comm.ring) {
+      if (r == root) continue;
+      sends.push_back(SendJob{r, headerFor(ctx, static_cast<uint64_t>(root)),
+                              segmentsOf<SendSeg, const void*>(blocks[r].data, blocks[r].bytes, seg)});
+    }
+  } else {
+    recvs.push_back(RecvJob{root, headerFor(ctx, static_cast<uint64_t>(root)),
+                            segmentsOf<RecvSeg, void*>(mine.data, mine.bytes, seg), nullptr});
+  }
+  runExchange(comm, ctx, sends, recvs);
+  if (ctx.phases) ctx.phases->algorithm = "direct";
+}
+
+}  // namespace xirang

@@ -1,0 +1,87 @@
+// The collective algorithms on raw buffers: ring allreduce (scatter-reduce + allgather,
+// Patarasuk & Yuan 2009), the latency-optimal direct exchange for small messages, the BF16
+// error-feedback ring (DESIGN.md "The compressed ring"), pipelined chain broadcast, ring
+// allgather / reduce-scatter, and direct alltoall / gather / scatter.
+//
+// Torch-free: the backend hands pointers, element counts (int64, so > 2^31 works) and dtypes.
+// Every function is collective over `comm.ring` and is called by every member with the same
+// OpCtx fields (op, dtype, reduce, numel, seq); a member that disagrees gets a TransportError
+// naming the field, and so (through the backend's abort) does everybody else.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/transport/tcp.h"
+
+namespace xirang {
+
+// Who takes part and how: membership is data (#8 rebuilds it without a failed rank).
+struct Comm {
+  transport::Tcp* tcp = nullptr;
+  int rank = 0;                // this process's rank in the group
+  std::vector<int> ring;       // ring order: ranks by position; every member appears once
+  int64_t segment_bytes = 1 << 20;
+  int64_t small_bytes = 64 << 10;
+  enum class Algo { Auto, Ring, Direct } algo = Algo::Auto;
+
+  int size() const { return static_cast<int>(ring.size()); }
+  int position() const;        // index of `rank` in `ring`; throws if absent
+};
+
+// Seconds spent in each phase of one operation, and payload bytes this rank sent.
+struct Phases {
+  double encode_s = 0, scatter_reduce_s = 0, allgather_s = 0, decode_s = 0;
+  uint64_t bytes_sent = 0;  // payload only, headers excluded
+  const char* algorithm = "";
+};
+
+struct OpCtx {
+  transport::OpKind op = transport::OpKind::None;
+  DType dtype = DType::Bytes;      // the caller's dtype (checked across ranks)
+  ReduceOp reduce = ReduceOp::None;
+  uint64_t numel = 0;              // caller's element count (checked across ranks)
+  uint64_t seq = 0;
+  transport::Deadline deadline;
+  Phases* phases = nullptr;        // optional
+};
+
+// In-place allreduce of `numel` elements of `wire` dtype at `data`. `op` is Sum, Product, Min,
+// Max, BAnd, BOr or BXor (AVG/PREMUL_SUM are the backend's scaling around Sum). Small messages
+// (<= comm.small_bytes) take the direct exchange (one round, every rank reduces all inputs in
+// rank order); larger ones the segmented ring. Results are bitwise identical on all ranks.
+void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);
+
+// BF16 error-feedback ring allreduce of fp32 `x` (n elements), averaged (scale = 1/N applied
+// before the first encode). Reads residual `r_in`, writes the new residual to `r_out` (may not
+// alias r_in's storage owner's pending use; may alias r_in). On return x holds the decoded bf16
+// average, bitwise identical on all ranks. Wire bytes per rank: 2 * 2(N-1)/N * n.
+void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n);
+
+// Broadcast `bytes` at `data` from group rank `root` along the ring (pipelined chain of segments).
+void broadcast(const Comm& comm, const OpCtx& ctx, void* data, uint64_t bytes, int root);
+
+// Ring allgather: blocks[r] is rank r's block (this rank's must already hold its input); after the
+// call every block holds its owner's bytes. Block sizes must agree across ranks.
+void allgather(const Comm& comm, const OpCtx& ctx, const std::vector<transport::RecvSeg>& blocks);
+
+// Ring reduce-scatter: `data` holds this rank's full input as blocks (blocks[r] = the part rank r
+// ends with, in elements of `wire`); on return blocks[rank] holds the reduction. Other blocks are
+// clobbered.
+void reduceScatter(const Comm& comm, const OpCtx& ctx, const std::vector<transport::RecvSeg>& blocks,
+                   DType wire, ReduceOp op);
+
+// Every rank sends sends[r] to rank r and receives recvs[r] from rank r, all at once (own block
+// copied locally). Sizes must match pairwise.
+void alltoall(const Comm& comm, const OpCtx& ctx, const std::vector<transport::SendSeg>& sends,
+              const std::vector<transport::RecvSeg>& recvs);
+
+// Gather to root: non-roots send `mine`; root receives blocks[r] from each r (its own copied).
+void gather(const Comm& comm, const OpCtx& ctx, transport::SendSeg mine,
+            const std::vector<transport::RecvSeg>& blocks, int root);
+// Scatter from root: root sends blocks[r] to r (own copied into `mine`); others receive `mine`.
+void scatter(const Comm& comm, const OpCtx& ctx, const std::vector<transport::SendSeg>& blocks,
+             transport::RecvSeg mine, int root);
+
+}  // namespace xirang

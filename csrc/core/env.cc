@@ -1,0 +1,111 @@
+#include "core/env.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+
+namespace xirang::env {
+
+const std::vector<Knob>& knobs() {
+  static const std::vector<Knob> table = {
+      {"XIRANG_DEBUG", "WARN", "log level: WARN, INFO (ring order, algorithm, addresses), TRACE (every op)"},
+      {"XIRANG_SOCKET_IFNAME", "", "network interface to listen and connect on (like GLOO_SOCKET_IFNAME); default: the address the hostname resolves to, else loopback"},
+      {"XIRANG_SEGMENT_BYTES", "1048576", "ring segment size in bytes: encode, send, receive and reduce of different segments overlap"},
+      {"XIRANG_SMALL_BYTES", "65536", "messages up to this many bytes take the latency-optimal direct exchange instead of the ring"},
+      {"XIRANG_CODEC", "auto", "codec path: auto, avx512bf16, avx2, scalar"},
+      {"XIRANG_ALGO", "auto", "allreduce algorithm: auto, ring, direct, two_level"},
+      {"XIRANG_RING_ORDER", "topology", "ring order: topology (rack, host, rank) or rank"},
+      {"XIRANG_HOST", "", "host label of this rank (default: hostname)"},
+      {"XIRANG_RACK", "", "rack label of this rank (default: XIRANG_TOPOLOGY_FILE's entry for the host, else 'rack0')"},
+      {"XIRANG_TOPOLOGY_FILE", "", "file of 'hostname rack' lines mapping hosts to racks"},
+      {"XIRANG_STATS_DIR", "", "directory where every rank appends its operation records as rank<N>.jsonl"},
+      {"XIRANG_STATS_CAPACITY", "65536", "operation records kept in memory per process group (ring buffer)"},
+      {"XIRANG_HANDSHAKE_TIMEOUT_MS", "10000", "bound on one connection's authentication handshake, milliseconds"},
+      {"XIRANG_ELASTIC", "0", "1: survive the loss of a rank by rebuilding the ring (fault tolerance)"},
+      {"XIRANG_HEARTBEAT_S", "1.0", "elastic mode: heartbeat period on idle links, seconds"},
+      {"XIRANG_TEST_DELAY_MS", "0", "test only: sleep this long before each collective on this rank (to make a slow rank)"},
+  };
+  return table;
+}
+
+static const Knob& find(const char* name) {
+  for (const auto& k : knobs()) {
+    if (std::strcmp(k.name, name) == 0) return k;
+  }
+  throw std::invalid_argument(std::string("xirang: unknown environment knob ") + name);
+}
+
+std::string get(const char* name) {
+  const Knob& k = find(name);
+  const char* v = std::getenv(name);
+  if (v != nullptr && v[0] != '\0') return v;
+  return k.default_value;
+}
+
+int64_t getInt(const char* name) {
+  std::string v = get(name);
+  if (v.empty()) return 0;
+  char* end = nullptr;
+  errno = 0;
+  long long x = std::strtoll(v.c_str(), &end, 10);
+  int64_t mult = 1;
+  if (end && *end) {
+    switch (*end) {
+      case 'k': case 'K': mult = 1024; break;
+      case 'm': case 'M': mult = 1024 * 1024; break;
+      case 'g': case 'G': mult = 1024LL * 1024 * 1024; break;
+      default: end = nullptr;
+    }
+    if (end && end[1] != '\0') end = nullptr;
+  }
+  if (end == nullptr || errno != 0 || end == v.c_str()) {
+    throw std::invalid_argument(std::string("xirang: ") + name + "='" + v + "' is not an integer");
+  }
+  return static_cast<int64_t>(x) * mult;
+}
+
+double getDouble(const char* name) {
+  std::string v = get(name);
+  char* end = nullptr;
+  double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || end == v.c_str() || *end != '\0') {
+    throw std::invalid_argument(std::string("xirang: ") + name + "='" + v + "' is not a number");
+  }
+  return x;
+}
+
+bool getBool(const char* name) {
+  std::string v = get(name);
+  for (auto& c : v) c = static_cast<char>(std::tolower(c));
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v.empty() || v == "0" || v == "false" || v == "no" || v == "off") return false;
+  throw std::invalid_argument(std::string("xirang: ") + name + "='" + v + "' is not a boolean");
+}
+
+Level logLevel() {
+  static const Level level = [] {
+    std::string v = get("XIRANG_DEBUG");
+    for (auto& c : v) c = static_cast<char>(std::toupper(c));
+    if (v == "TRACE") return Level::Trace;
+    if (v == "INFO") return Level::Info;
+    return Level::Warn;
+  }();
+  return level;
+}
+
+void log(Level level, int rank, const std::string& msg) {
+  if (static_cast<int>(level) > static_cast<int>(logLevel())) return;
+  static std::mutex mu;
+  static const char* names[] = {"WARN", "INFO", "TRACE"};
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::lock_guard<std::mutex> g(mu);
+  std::fprintf(stderr, "xirang %s:%d [%d] %s %s\n", host, static_cast<int>(getpid()), rank,
+               names[static_cast<int>(level)], msg.c_str());
+}
+
+}  // namespace xirang::env

@@ -1,0 +1,27 @@
+// Elementwise reductions on raw buffers, the arithmetic inside every reducing collective.
+// 16-bit floats are never reduced here: the backend widens them to float32 first so a
+// reduction over N ranks is rounded once (see ProcessGroupXirang::allreduce).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.h"
+
+namespace xirang {
+
+// Returns "" if `op` is defined on `t`, else a message such as "AVG is not defined on int64".
+// Rules (NCCL/Gloo semantics): SUM/PRODUCT/MIN/MAX on every numeric dtype (MIN/MAX not on
+// complex); AVG and PREMUL_SUM only on floating and complex; BAND/BOR/BXOR only on integers and
+// bool; bool: SUM/MAX = OR, MIN/PRODUCT = AND.
+std::string checkReduceOp(DType t, ReduceOp op);
+
+// dst[i] = op(dst[i], src[i]) for i in [0, n). `op` is one of Sum, Product, Min, Max, BAnd, BOr,
+// BXor (Avg and PremulSum are Sum plus scale()). Min/Max propagate NaN like torch.minimum.
+// Throws std::invalid_argument for combinations checkReduceOp rejects or for Float16/BFloat16.
+void reduceInto(void* dst, const void* src, int64_t n, DType t, ReduceOp op);
+
+// x[i] *= factor for a floating or complex buffer (AVG's 1/N, PREMUL_SUM's factor).
+void scale(void* x, int64_t n, DType t, double factor);
+
+}  // namespace xirang

@@ -1,0 +1,70 @@
+"""xirang: a torch.distributed backend ("xirang") and a DDP comm hook that sends BF16 on the
+wire with fp32 accumulation and complete error feedback, reduced per group of layers while
+backward runs.
+
+    import xirang, torch.distributed as dist
+    dist.init_process_group("xirang")              # under torchrun
+    state = xirang.register_comm_hook(ddp_model)   # BF16 + error feedback, 8 layers a group
+
+`import xirang` registers the backend once per process (devices cpu and cuda); an entry point
+in `torch.backends` does the same during `import torch`, without loading the extension.
+"""
+from __future__ import annotations
+
+from . import _build_info
+from ._backend import Options, TorchVersionMismatch, backend_for as _backend_for
+from ._entry import register as _register
+
+__version__ = _build_info.XIRANG_VERSION
+
+_register()
+
+
+def build_info() -> dict:
+    """What this xirang was built with.
+
+    Returns a dict: xirang (version), torch (the version built against), torch_running,
+    cuda (CUDA version of the CUDA path, None when not built), nccl (None when not built),
+    compiler, codec (SIMD path in use: 'avx512bf16', 'avx2' or 'scalar').
+    Raises TorchVersionMismatch if the running torch differs from the one built against.
+    """
+    import torch
+
+    from ._backend import load_C
+
+    C = load_C()
+    return {
+        "xirang": _build_info.XIRANG_VERSION,
+        "torch": _build_info.TORCH_VERSION,
+        "torch_running": torch.__version__,
+        "cuda": _build_info.CUDA,
+        "nccl": _build_info.NCCL,
+        "compiler": C.COMPILER,
+        "codec": C.codec_path(),
+    }
+
+
+def env_knobs() -> list:
+    """Every XIRANG_* environment knob as (name, default, help), as declared in csrc/core/env.cc."""
+    from ._backend import load_C
+
+    return [tuple(k) for k in load_C().env_knobs()]
+
+
+def stats(process_group=None) -> list:
+    """This rank's operation records on `process_group` (default group), oldest first.
+
+    Each record is a dict: seq, op, algorithm, group_id, dtype, numel, bytes_raw, bytes_wire
+    (payload bytes this rank sent; headers excluded), t_enqueue, queued_s, encode_s,
+    scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok.
+    """
+    return list(_backend_for(process_group).records())
+
+
+try:  # the hook is pure Python over the backend; keep import of the package cheap if absent
+    from . import hooks  # noqa: E402
+    from .hooks import register_comm_hook  # noqa: E402,F401
+except ImportError:  # pragma: no cover
+    pass
+
+__all__ = ["Options", "TorchVersionMismatch", "build_info", "env_knobs", "stats", "register_comm_hook", "hooks"]
