@@ -36,6 +36,20 @@ py::dict recordToDict(const xirang::OpRecord& r) {
   d["decode_s"] = r.decode_s;
   d["total_s"] = r.total_s;
   d["ok"] = r.ok;
+  d["label"] = r.label;
+  d["bytes_cross_host"] = r.bytes_cross_host;
+  d["bytes_cross_rack"] = r.bytes_cross_rack;
+  py::list peers;
+  for (const auto& p : r.peers) {
+    py::dict pd;
+    pd["peer"] = p.peer;
+    pd["send_s"] = p.send_s;
+    pd["recv_s"] = p.recv_s;
+    pd["bytes_sent"] = p.bytes_sent;
+    pd["bytes_recv"] = p.bytes_recv;
+    peers.append(pd);
+  }
+  d["peers"] = peers;
   return d;
 }
 
@@ -78,19 +92,30 @@ PYBIND11_MODULE(_C, m) {
       "c10d Backend of the 'xirang' torch.distributed backend. Create it through\n"
       "torch.distributed.init_process_group(backend='xirang') after `import xirang`.")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
-                       const std::string& group_name, const std::string& algorithm, std::vector<int> ring) {
+                       const std::string& group_name, const std::string& algorithm, std::vector<int> ring,
+                       std::vector<std::string> hosts, std::vector<std::string> racks, int global_rank,
+                       const std::string& stats_dir, const std::string& run_id) {
              xirang::XirangConfig cfg;
              cfg.group_name = group_name;
              cfg.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
              cfg.algorithm = algorithm;
              cfg.ring = std::move(ring);
+             cfg.hosts = std::move(hosts);
+             cfg.racks = std::move(racks);
+             cfg.global_rank = global_rank;
+             cfg.stats_dir = stats_dir;
+             cfg.run_id = run_id;
              return c10::make_intrusive<xirang::ProcessGroupXirang>(store, rank, size, cfg);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("group_name") = "",
            py::arg("algorithm") = "auto", py::arg("ring") = std::vector<int>{},
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("hosts") = std::vector<std::string>{}, py::arg("racks") = std::vector<std::string>{},
+           py::arg("global_rank") = 0, py::arg("stats_dir") = "", py::arg("run_id") = "",
+           py::call_guard<py::gil_scoped_release>(),
+           "Create the backend of one group: store (c10d Store, prefixed per group by torch), group rank and\n"
+           "size, timeout in seconds, ring order (group ranks; empty = rank order), host/rack label per rank.")
       .def("allreduce_ef", &xirang::ProcessGroupXirang::allreduceBF16EF, py::arg("buffer"), py::arg("residual"),
-           py::arg("staged_residual"), py::arg("group_id") = -1, py::call_guard<py::gil_scoped_release>(),
+           py::arg("staged_residual"), py::arg("group_id") = -1, py::arg("label") = "", py::call_guard<py::gil_scoped_release>(),
            "BF16 error-feedback ring allreduce (average) of a 1-D float32 buffer, on the communication thread.\n"
            "residual (float32, same numel) is read; the new residual is written to staged_residual.\n"
            "Returns a Work; work.get_future().value() == [buffer] holds the average, bitwise equal on all ranks.")

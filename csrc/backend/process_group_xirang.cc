@@ -167,6 +167,11 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   env::log(env::Level::Info, rank,
            "group '" + cfg_.group_name + "' size " + std::to_string(size) + " address " + address() +
                " algorithm " + algo + " ring [ " + ring.str() + "] codec " + codec::pathName(codec::activePath()));
+  if (!cfg_.stats_dir.empty()) {
+    std::string path = cfg_.stats_dir + "/rank" + std::to_string(cfg_.global_rank) + ".jsonl";
+    stats_file_ = std::fopen(path.c_str(), "a");
+    if (!stats_file_) env::log(env::Level::Warn, rank, "cannot open " + path + " for the stats records");
+  }
   thread_ = std::thread([this] { runLoop(); });
 }
 
@@ -180,6 +185,10 @@ void ProcessGroupXirang::shutdown() {
   cv_.notify_all();
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
   if (tcp_) tcp_->close();
+  if (stats_file_) {
+    std::fclose(stats_file_);
+    stats_file_ = nullptr;
+  }
 }
 
 void ProcessGroupXirang::abort() {
@@ -203,7 +212,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::enqueue(c10d::OpType type, co
                                                            std::vector<at::Tensor> outputs,
                                                            const std::vector<at::Tensor>& inputs, DType dtype,
                                                            ReduceOp reduce, uint64_t numel,
-                                                           std::chrono::milliseconds timeout, Fn fn, int64_t group_id) {
+                                                           std::chrono::milliseconds timeout, Fn fn, int64_t group_id,
+                                                           std::string label) {
   checkPoisoned();
   auto work = c10::make_intrusive<WorkXirang>(rank_, type, title, std::move(outputs),
                                               std::optional<std::vector<at::Tensor>>(inputs));
@@ -221,6 +231,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::enqueue(c10d::OpType type, co
   op.rec.seq = op.ctx.seq;
   op.rec.op = title ? std::string(title).substr(std::strlen("xirang:")) : transport::opKindName(kind);
   op.rec.group_id = group_id;
+  op.rec.label = std::move(label);
   op.rec.dtype = dtypeName(dtype);
   op.rec.numel = numel;
   op.rec.t_enqueue = std::chrono::duration<double>(op.enqueued - created_).count();
@@ -299,6 +310,14 @@ void ProcessGroupXirang::runLoop() {
     op.rec.bytes_raw = op.ctx.op == OpKind::AllreduceEF ? ph.bytes_sent * 2 : ph.bytes_sent;
     op.rec.algorithm = ph.algorithm;
     op.rec.ok = error == nullptr;
+    for (const auto& [peer, st] : ph.peers) {
+      op.rec.peers.push_back({peer, st.send_s, st.recv_s, st.bytes_sent, st.bytes_recv});
+      if (peer < static_cast<int>(cfg_.hosts.size()) && cfg_.hosts[peer] != cfg_.hosts[rank_])
+        op.rec.bytes_cross_host += st.bytes_sent;
+      if (peer < static_cast<int>(cfg_.racks.size()) && cfg_.racks[peer] != cfg_.racks[rank_])
+        op.rec.bytes_cross_rack += st.bytes_sent;
+    }
+    if (stats_file_) writeRecord(op.rec);
     {
       std::lock_guard<std::mutex> g(rec_mu_);
       records_.push_back(std::move(op.rec));
@@ -306,6 +325,50 @@ void ProcessGroupXirang::runLoop() {
     }
     op.work->complete(error);
   }
+}
+
+namespace {
+std::string jsonEscape(const std::string& in) {
+  std::string out;
+  for (char c : in) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+}  // namespace
+
+// One JSON line per operation in XIRANG_STATS_DIR/rank<global rank>.jsonl (communication thread).
+void ProcessGroupXirang::writeRecord(const OpRecord& r) {
+  std::ostringstream o;
+  o.precision(9);
+  o << "{\"run_id\":\"" << jsonEscape(cfg_.run_id) << "\",\"pg\":\"" << jsonEscape(cfg_.group_name)
+    << "\",\"group_rank\":" << rank_ << ",\"global_rank\":" << cfg_.global_rank << ",\"world_size\":" << size_
+    << ",\"seq\":" << r.seq << ",\"op\":\"" << r.op << "\",\"algorithm\":\"" << r.algorithm
+    << "\",\"group_id\":" << r.group_id << ",\"label\":\"" << jsonEscape(r.label) << "\",\"dtype\":\"" << r.dtype
+    << "\",\"numel\":" << r.numel << ",\"bytes_raw\":" << r.bytes_raw << ",\"bytes_wire\":" << r.bytes_wire
+    << ",\"bytes_cross_host\":" << r.bytes_cross_host << ",\"bytes_cross_rack\":" << r.bytes_cross_rack
+    << ",\"t_enqueue\":" << r.t_enqueue << ",\"queued_s\":" << r.queued_s << ",\"encode_s\":" << r.encode_s
+    << ",\"scatter_reduce_s\":" << r.scatter_reduce_s << ",\"allgather_s\":" << r.allgather_s
+    << ",\"decode_s\":" << r.decode_s << ",\"total_s\":" << r.total_s << ",\"ok\":" << (r.ok ? "true" : "false")
+    << ",\"peers\":[";
+  for (size_t i = 0; i < r.peers.size(); ++i) {
+    const auto& p = r.peers[i];
+    o << (i ? "," : "") << "{\"peer\":" << p.peer << ",\"send_s\":" << p.send_s << ",\"recv_s\":" << p.recv_s
+      << ",\"bytes_sent\":" << p.bytes_sent << ",\"bytes_recv\":" << p.bytes_recv << "}";
+  }
+  o << "]}\n";
+  std::string line = o.str();
+  std::fwrite(line.data(), 1, line.size(), stats_file_);
+  std::fflush(stats_file_);
 }
 
 std::vector<OpRecord> ProcessGroupXirang::records() {
@@ -412,7 +475,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce_coalesced(std::vect
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor buffer, at::Tensor residual,
-                                                                   at::Tensor staged, int64_t group_id) {
+                                                                   at::Tensor staged, int64_t group_id,
+                                                                   std::string label) {
   checkTensors(rank_, "allreduce_bf16_ef", {buffer, residual, staged});
   for (const auto* t : {&buffer, &residual, &staged}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->is_contiguous(), "xirang rank ", rank_,
@@ -430,7 +494,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor bu
   };
   return enqueue(c10d::OpType::ALLREDUCE, "xirang:allreduce_bf16_ef", OpKind::AllreduceEF, {buffer}, {buffer},
                  DType::Float32, ReduceOp::Avg, static_cast<uint64_t>(buffer.numel()), c10d::kUnsetTimeout, fn,
-                 group_id);
+                 group_id, std::move(label));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Tensor>& tensors,
@@ -811,12 +875,8 @@ static void runP2P(const Comm& comm, const OpCtx& ctx, std::vector<P2P>& ops) {
       recvs.push_back({p.peer, p2pHeader(p.tensor, p.tag), {RecvSeg{p.tensor.data_ptr(), nbytes(p.tensor)}}, nullptr});
     }
   }
-  uint64_t before = comm.tcp->payloadBytesSent();
-  comm.tcp->exchange(sends, recvs, ctx.deadline);
-  if (ctx.phases) {
-    ctx.phases->bytes_sent += comm.tcp->payloadBytesSent() - before;
-    ctx.phases->algorithm = "p2p";
-  }
+  runExchange(comm, ctx, sends, recvs);
+  if (ctx.phases) ctx.phases->algorithm = "p2p";
   for (auto& p : ops)
     if (!p.is_send && !p.tensor.is_same(p.user)) p.user.copy_(p.tensor);
 }
@@ -853,7 +913,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::recvAnysource(std::vector<at:
   at::Tensor t = tensors[0];
   auto holder = std::make_shared<c10::intrusive_ptr<c10d::Work>>();
   auto fn = [this, t, tag, holder](OpCtx& ctx) {
-    int src = comm_.tcp->waitAnySource(ctx.deadline);
+    int src = comm_.tcp->waitAnySource(ctx.deadline, static_cast<uint32_t>(tag));
     std::vector<P2P> ops{{false, src, tag, t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous), t}};
     runP2P(comm_, ctx, ops);
     static_cast<WorkXirang*>(holder->get())->source_rank_ = src;

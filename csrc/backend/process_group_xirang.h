@@ -12,6 +12,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdio>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -44,6 +45,15 @@ struct OpRecord {
   double t_enqueue = 0;      // seconds since the group was created
   double queued_s = 0, encode_s = 0, scatter_reduce_s = 0, allgather_s = 0, decode_s = 0, total_s = 0;
   bool ok = true;
+  std::string label;               // the hook's layer names for group_id
+  uint64_t bytes_cross_host = 0;   // payload sent to ranks on another host / rack
+  uint64_t bytes_cross_rack = 0;
+  struct Peer {
+    int peer;
+    double send_s, recv_s;
+    uint64_t bytes_sent, bytes_recv;
+  };
+  std::vector<Peer> peers;         // per peer this rank exchanged with
 };
 
 struct XirangConfig {
@@ -51,6 +61,11 @@ struct XirangConfig {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   std::string algorithm = "auto";   // auto, ring, direct
   std::vector<int> ring;            // ring order (group ranks); empty = 0..size-1
+  std::vector<std::string> hosts;   // host label per group rank (may be empty)
+  std::vector<std::string> racks;   // rack label per group rank (may be empty)
+  int global_rank = 0;
+  std::string stats_dir;            // XIRANG_STATS_DIR ("" = off)
+  std::string run_id;
 };
 
 class WorkXirang : public c10d::Work {
@@ -130,7 +145,7 @@ class ProcessGroupXirang : public c10d::Backend {
   // read, the new residual is written to staged (must not share storage with residual).
   // Future value: [buffer]. Errors: c10::Error (ValueError-like) for bad arguments.
   c10::intrusive_ptr<c10d::Work> allreduceBF16EF(at::Tensor buffer, at::Tensor residual, at::Tensor staged,
-                                                 int64_t group_id);
+                                                 int64_t group_id, std::string label = "");
 
   // This rank's operation records (bounded ring buffer, oldest first) and clearing them.
   std::vector<OpRecord> records();
@@ -155,7 +170,8 @@ class ProcessGroupXirang : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, transport::OpKind kind,
                                          std::vector<at::Tensor> outputs, const std::vector<at::Tensor>& inputs,
                                          DType dtype, ReduceOp reduce, uint64_t numel, std::chrono::milliseconds timeout,
-                                         Fn fn, int64_t group_id = -1);
+                                         Fn fn, int64_t group_id = -1, std::string label = "");
+  void writeRecord(const OpRecord& r);
   void runLoop();
   void checkPoisoned();
   std::string describe(const Op& op) const;
@@ -177,6 +193,7 @@ class ProcessGroupXirang : public c10d::Backend {
   std::deque<OpRecord> records_;
   size_t record_capacity_ = 65536;
   std::chrono::steady_clock::time_point created_;
+  FILE* stats_file_ = nullptr;
 
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;

@@ -17,6 +17,15 @@ using transport::RecvSeg;
 using transport::SendJob;
 using transport::SendSeg;
 
+uint8_t* Scratch::get(size_t slot, size_t bytes) {
+  if (slot >= 4) throw std::logic_error("xirang: scratch slot out of range");
+  if (bytes > caps_[slot]) {
+    bufs_[slot].reset(new uint8_t[bytes]);  // default-initialised: no zeroing pass
+    caps_[slot] = bytes;
+  }
+  return bufs_[slot].get();
+}
+
 int Comm::position() const {
   auto it = std::find(ring.begin(), ring.end(), rank);
   if (it == ring.end()) throw std::logic_error("xirang: rank " + std::to_string(rank) + " is not in the ring");
@@ -57,32 +66,50 @@ uint64_t segBytesFor(const Comm& comm, size_t elem) {
   return s;
 }
 
+}  // namespace
+
 void runExchange(const Comm& comm, const OpCtx& ctx, std::vector<SendJob>& sends, std::vector<RecvJob>& recvs) {
-  uint64_t before = comm.tcp->payloadBytesSent();
-  comm.tcp->exchange(sends, recvs, ctx.deadline);
-  if (ctx.phases) ctx.phases->bytes_sent += comm.tcp->payloadBytesSent() - before;
+  if (!ctx.phases) {
+    comm.tcp->exchange(sends, recvs, ctx.deadline);
+    return;
+  }
+  std::vector<transport::PeerTiming> timings;
+  comm.tcp->exchange(sends, recvs, ctx.deadline, &timings);
+  for (const auto& t : timings) {
+    PeerStat& p = ctx.phases->peers[t.peer];
+    if (t.send) {
+      p.send_s += t.seconds;
+      p.bytes_sent += t.bytes;
+      ctx.phases->bytes_sent += t.bytes;
+    } else {
+      p.recv_s += t.seconds;
+      p.bytes_recv += t.bytes;
+    }
+  }
 }
+
+namespace {
 
 void directAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
   const int n = comm.size();
   const uint64_t bytes = static_cast<uint64_t>(numel) * elementSize(wire);
-  std::vector<uint8_t> all(bytes * n);
+  uint8_t* all = comm.scratch->get(0, bytes * n);
   const int me = comm.rank;
-  std::memcpy(all.data() + bytes * me, data, bytes);
+  if (bytes) std::memcpy(all + bytes * me, data, bytes);
   std::vector<SendJob> sends;
   std::vector<RecvJob> recvs;
   for (int r : comm.ring) {
     if (r == me) continue;
     sends.push_back(SendJob{r, headerFor(ctx, 0), {SendSeg{data, bytes}}});
-    recvs.push_back(RecvJob{r, headerFor(ctx, 0), {RecvSeg{all.data() + bytes * r, bytes}}, nullptr});
+    recvs.push_back(RecvJob{r, headerFor(ctx, 0), {RecvSeg{all + bytes * r, bytes}}, nullptr});
   }
   auto t0 = Clock::now();
   runExchange(comm, ctx, sends, recvs);
   // Reduce in rank order on every rank: the same operands in the same order give the same bits.
   std::vector<int> order = comm.ring;
   std::sort(order.begin(), order.end());
-  std::memcpy(data, all.data() + bytes * order[0], bytes);
-  for (size_t i = 1; i < order.size(); ++i) reduceInto(data, all.data() + bytes * order[i], numel, wire, op);
+  if (bytes) std::memcpy(data, all + bytes * order[0], bytes);
+  for (size_t i = 1; i < order.size(); ++i) reduceInto(data, all + bytes * order[i], numel, wire, op);
   if (ctx.phases) {
     ctx.phases->scatter_reduce_s += since(t0);
     ctx.phases->algorithm = "direct";
@@ -98,7 +125,7 @@ void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel
   auto chunks = ring::partition(numel, n);
   int64_t max_chunk = 0;
   for (auto& c : chunks) max_chunk = std::max(max_chunk, c.count);
-  std::vector<uint8_t> tmp(static_cast<size_t>(max_chunk) * elem);
+  uint8_t* tmp = comm.scratch->get(0, static_cast<size_t>(max_chunk) * elem);
   uint8_t* base = static_cast<uint8_t*>(data);
   const uint64_t seg = segBytesFor(comm, elem);
 
@@ -110,10 +137,10 @@ void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel
     std::vector<SendJob> sends{{next, headerFor(ctx, static_cast<uint64_t>(s)),
                                 segmentsOf<SendSeg, const void*>(base + sc.offset * elem, sc.count * elem, seg)}};
     std::vector<RecvJob> recvs{{prev, headerFor(ctx, static_cast<uint64_t>(s)),
-                                segmentsOf<RecvSeg, void*>(tmp.data(), rc.count * elem, seg), nullptr}};
+                                segmentsOf<RecvSeg, void*>(tmp, rc.count * elem, seg), nullptr}};
     auto& rsegs = recvs[0].segs;
     recvs[0].on_segment = [&](size_t i) {
-      uint64_t off = static_cast<uint8_t*>(rsegs[i].data) - tmp.data();
+      uint64_t off = static_cast<uint8_t*>(rsegs[i].data) - tmp;
       reduceInto(base + rc.offset * elem + off, rsegs[i].data, static_cast<int64_t>(rsegs[i].bytes / elem), wire, op);
     };
     runExchange(comm, ctx, sends, recvs);
@@ -154,16 +181,16 @@ void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DT
 void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t numel) {
   const int n = comm.size();
   const float scale = 1.0f / static_cast<float>(n);
-  std::vector<uint16_t> wire(static_cast<size_t>(numel));
+  uint16_t* wire = reinterpret_cast<uint16_t*>(comm.scratch->get(1, static_cast<size_t>(numel) * 2));
   Phases dummy;
   Phases& ph = ctx.phases ? *ctx.phases : dummy;
   ph.algorithm = "ring_bf16_ef";
   if (n <= 1 || numel == 0) {
     auto t0 = Clock::now();
-    codec::encodeEF(x, scale, r_in, r_out, wire.data(), numel);
+    codec::encodeEF(x, scale, r_in, r_out, wire, numel);
     ph.encode_s += since(t0);
     auto t1 = Clock::now();
-    codec::decode(wire.data(), x, numel);
+    codec::decode(wire, x, numel);
     ph.decode_s += since(t1);
     return;
   }
@@ -173,14 +200,14 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
   auto chunks = ring::partition(numel, n);
   int64_t max_chunk = 0;
   for (auto& c : chunks) max_chunk = std::max(max_chunk, c.count);
-  std::vector<uint16_t> tmp(static_cast<size_t>(max_chunk));
+  uint16_t* tmp = reinterpret_cast<uint16_t*>(comm.scratch->get(0, static_cast<size_t>(max_chunk) * 2));
   const uint64_t seg = segBytesFor(comm, 2);
 
   // First hop: this position starts chunk ring::scatterReduceStep(pos, n, 0).send_chunk.
   auto t0 = Clock::now();
   {
     const auto& c = chunks[ring::scatterReduceStep(pos, n, 0).send_chunk];
-    codec::encodeEF(x + c.offset, scale, r_in + c.offset, r_out + c.offset, wire.data() + c.offset, c.count);
+    codec::encodeEF(x + c.offset, scale, r_in + c.offset, r_out + c.offset, wire + c.offset, c.count);
   }
   ph.encode_s += since(t0);
   auto t1 = Clock::now();
@@ -190,18 +217,18 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
     const auto& sc = chunks[st.send_chunk];
     const auto& rc = chunks[st.recv_chunk];
     std::vector<SendJob> sends{{next, headerFor(ctx, static_cast<uint64_t>(s)),
-                                segmentsOf<SendSeg, const void*>(wire.data() + sc.offset, sc.count * 2, seg)}};
+                                segmentsOf<SendSeg, const void*>(wire + sc.offset, sc.count * 2, seg)}};
     std::vector<RecvJob> recvs{{prev, headerFor(ctx, static_cast<uint64_t>(s)),
-                                segmentsOf<RecvSeg, void*>(tmp.data(), rc.count * 2, seg), nullptr}};
+                                segmentsOf<RecvSeg, void*>(tmp, rc.count * 2, seg), nullptr}};
     auto& rsegs = recvs[0].segs;
     recvs[0].on_segment = [&](size_t i) {
       auto tc = Clock::now();
-      int64_t off = (static_cast<uint16_t*>(rsegs[i].data) - tmp.data()) + rc.offset;
+      int64_t off = (static_cast<uint16_t*>(rsegs[i].data) - tmp) + rc.offset;
       int64_t cnt = static_cast<int64_t>(rsegs[i].bytes / 2);
       // Partial sum so far + this rank's x/N + residual, re-encoded; the rounding error of this
       // hop becomes this rank's residual for these elements (every rounding is fed back).
       codec::accumulateEncodeEF(static_cast<const uint16_t*>(rsegs[i].data), x + off, scale, r_in + off,
-                                r_out + off, wire.data() + off, cnt);
+                                r_out + off, wire + off, cnt);
       hop_codec_s += since(tc);
     };
     runExchange(comm, ctx, sends, recvs);
@@ -212,14 +239,14 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
     const auto& sc = chunks[st.send_chunk];
     const auto& rc = chunks[st.recv_chunk];
     std::vector<SendJob> sends{{next, headerFor(ctx, 1000 + static_cast<uint64_t>(s)),
-                                segmentsOf<SendSeg, const void*>(wire.data() + sc.offset, sc.count * 2, seg)}};
+                                segmentsOf<SendSeg, const void*>(wire + sc.offset, sc.count * 2, seg)}};
     std::vector<RecvJob> recvs{{prev, headerFor(ctx, 1000 + static_cast<uint64_t>(s)),
-                                segmentsOf<RecvSeg, void*>(wire.data() + rc.offset, rc.count * 2, seg), nullptr}};
+                                segmentsOf<RecvSeg, void*>(wire + rc.offset, rc.count * 2, seg), nullptr}};
     runExchange(comm, ctx, sends, recvs);
   }
   auto t3 = Clock::now();
   // Every rank, the owner included, decodes the same bf16 values: replicas are bitwise equal.
-  codec::decode(wire.data(), x, numel);
+  codec::decode(wire, x, numel);
   ph.decode_s += since(t3);
   ph.encode_s += hop_codec_s;
   ph.scatter_reduce_s += std::chrono::duration<double>(t2 - t1).count() - hop_codec_s;
@@ -292,7 +319,7 @@ void reduceScatter(const Comm& comm, const OpCtx& ctx, const std::vector<RecvSeg
   auto blockOf = [&](int chunk) -> const RecvSeg& { return blocks[comm.ring[(chunk - 1 + n) % n]]; };
   uint64_t max_bytes = 0;
   for (auto& b : blocks) max_bytes = std::max(max_bytes, b.bytes);
-  std::vector<uint8_t> tmp(max_bytes);
+  uint8_t* tmp = comm.scratch->get(0, max_bytes);
   const uint64_t seg = segBytesFor(comm, elem);
   auto t0 = Clock::now();
   for (int s = 0; s < n - 1; ++s) {
@@ -302,10 +329,10 @@ void reduceScatter(const Comm& comm, const OpCtx& ctx, const std::vector<RecvSeg
     std::vector<SendJob> sends{{next, headerFor(ctx, static_cast<uint64_t>(s)),
                                 segmentsOf<SendSeg, const void*>(sb.data, sb.bytes, seg)}};
     std::vector<RecvJob> recvs{{prev, headerFor(ctx, static_cast<uint64_t>(s)),
-                                segmentsOf<RecvSeg, void*>(tmp.data(), rb.bytes, seg), nullptr}};
+                                segmentsOf<RecvSeg, void*>(tmp, rb.bytes, seg), nullptr}};
     auto& rsegs = recvs[0].segs;
     recvs[0].on_segment = [&](size_t i) {
-      uint64_t off = static_cast<uint8_t*>(rsegs[i].data) - tmp.data();
+      uint64_t off = static_cast<uint8_t*>(rsegs[i].data) - tmp;
       reduceInto(static_cast<uint8_t*>(rb.data) + off, rsegs[i].data, static_cast<int64_t>(rsegs[i].bytes / elem), wire, op);
     };
     runExchange(comm, ctx, sends, recvs);

@@ -10,12 +10,26 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <vector>
 
 #include "core/dtype.h"
 #include "core/transport/tcp.h"
 
 namespace xirang {
+
+// Reusable, uninitialised working memory for the algorithms. Large per-op allocations went to
+// mmap/munmap on every call (glibc's threshold) and cost page faults comparable to the transfer.
+class Scratch {
+ public:
+  // At least `bytes` bytes for `slot` (0..3), kept until a larger request for the same slot.
+  uint8_t* get(size_t slot, size_t bytes);
+
+ private:
+  std::unique_ptr<uint8_t[]> bufs_[4];
+  size_t caps_[4] = {0, 0, 0, 0};
+};
 
 // Who takes part and how: membership is data (#8 rebuilds it without a failed rank).
 struct Comm {
@@ -25,9 +39,17 @@ struct Comm {
   int64_t segment_bytes = 1 << 20;
   int64_t small_bytes = 64 << 10;
   enum class Algo { Auto, Ring, Direct } algo = Algo::Auto;
+  std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();  // one op at a time uses it
 
   int size() const { return static_cast<int>(ring.size()); }
   int position() const;        // index of `rank` in `ring`; throws if absent
+};
+
+// Per ring neighbour / peer: seconds spent until our sends to it (receives from it) completed,
+// summed over the operation's exchanges, and payload bytes. A slow link or rank shows up here.
+struct PeerStat {
+  double send_s = 0, recv_s = 0;
+  uint64_t bytes_sent = 0, bytes_recv = 0;
 };
 
 // Seconds spent in each phase of one operation, and payload bytes this rank sent.
@@ -35,6 +57,7 @@ struct Phases {
   double encode_s = 0, scatter_reduce_s = 0, allgather_s = 0, decode_s = 0;
   uint64_t bytes_sent = 0;  // payload only, headers excluded
   const char* algorithm = "";
+  std::map<int, PeerStat> peers;
 };
 
 struct OpCtx {
@@ -46,6 +69,11 @@ struct OpCtx {
   transport::Deadline deadline;
   Phases* phases = nullptr;        // optional
 };
+
+// Runs one transport exchange under ctx's deadline, adding per-peer times and bytes to
+// ctx.phases when given. Every algorithm (and the backend's point-to-point) goes through it.
+void runExchange(const Comm& comm, const OpCtx& ctx, std::vector<transport::SendJob>& sends,
+                 std::vector<transport::RecvJob>& recvs);
 
 // In-place allreduce of `numel` elements of `wire` dtype at `data`. `op` is Sum, Product, Min,
 // Max, BAnd, BOr or BXor (AVG/PREMUL_SUM are the backend's scaling around Sum). Small messages

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <complex>
 #include <stdexcept>
+#include <type_traits>
 
 namespace xirang {
 
@@ -102,6 +103,18 @@ namespace {
 
 template <typename T>
 void reduceTyped(T* d, const T* s, int64_t n, ReduceOp op) {
+  if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
+    // Signed overflow is undefined in C++; torch wraps around. Do it in the unsigned type.
+    using U = std::conditional_t<(sizeof(T) < 4), uint32_t, std::make_unsigned_t<T>>;
+    if (op == ReduceOp::Sum) {
+      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(static_cast<U>(d[i]) + static_cast<U>(s[i]));
+      return;
+    }
+    if (op == ReduceOp::Product) {
+      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(static_cast<U>(d[i]) * static_cast<U>(s[i]));
+      return;
+    }
+  }
   switch (op) {
     case ReduceOp::Sum:
       for (int64_t i = 0; i < n; ++i) d[i] = d[i] + s[i];

@@ -90,6 +90,7 @@ Key128 keyFromHex(const std::string& hex) {
   auto nib = [&](char c) -> int {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
     throw std::invalid_argument("xirang: group secret is not hex");
   };
   for (size_t i = 0; i < 16; ++i) k[i] = static_cast<uint8_t>(nib(hex[2 * i]) * 16 + nib(hex[2 * i + 1]));

@@ -87,6 +87,9 @@ std::string compareHeader(const FrameHeader& e, const FrameHeader& g, int peer) 
   if (g.seq != e.seq)
     add("collective order mismatch: this rank is at op #" + std::to_string(e.seq) + ", " + who +
         " at op #" + std::to_string(g.seq));
+  if (g.op == e.op && e.op == OpKind::Send && g.tag != e.tag)
+    add("tag mismatch: this rank expects tag " + std::to_string(e.tag) + ", " + who + " sent tag " +
+        std::to_string(g.tag));
   if (g.op != e.op)
     add(std::string("op mismatch: this rank ") + opKindName(e.op) + ", " + who + " " + opKindName(g.op));
   if (g.dtype != e.dtype)

@@ -194,6 +194,7 @@ int connectTo(const std::string& address, Deadline deadline, int peer) {
         if (rc == 0) {
           freeaddrinfo(res);
           tuneSocket(fd);
+          setNonBlocking(fd, false);
           return fd;
         }
         last = errnoStr(errno);
@@ -222,9 +223,9 @@ Tcp::Tcp(int rank, int size, std::shared_ptr<Store> store, TcpOptions opts, Dead
   if (rank_ != 0) {
     try {
       key_ = keyFromHex(store_->get(opts_.key_prefix + "/secret", deadline));
-    } catch (...) {
+    } catch (const std::exception& e) {
       close();
-      throw;
+      throw TransportError(std::string("timed out waiting for rank 0's group secret in the store: ") + e.what(), 0);
     }
   }
   accept_thread_ = std::thread([this] { acceptLoop(); });
@@ -238,7 +239,7 @@ void Tcp::close() {
   std::vector<int> fds;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (closed_ && !accept_thread_.joinable()) return;
+    if (closed_ && !accept_thread_.joinable() && handshake_threads_.empty()) return;
     closed_ = true;
     for (auto& kv : out_fds_) fds.push_back(kv.second);
     for (auto& kv : in_fds_) fds.push_back(kv.second);
@@ -253,6 +254,13 @@ void Tcp::close() {
     (void)!::write(wake_pipe_[1], &c, 1);
   }
   if (accept_thread_.joinable()) accept_thread_.join();
+  std::vector<std::thread> hs;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (int fd : pending_fds_) ::shutdown(fd, SHUT_RDWR);  // fail pending handshakes now
+    hs.swap(handshake_threads_);
+  }
+  for (auto& t : hs) t.join();
   for (int fd : fds) {
     ::shutdown(fd, SHUT_RDWR);
     ::close(fd);
@@ -303,25 +311,35 @@ void Tcp::acceptLoop() {
     if (fd < 0) continue;
     tuneSocket(fd);
     setNonBlocking(fd, true);
-    int peer = -1;
-    std::string why;
-    if (!serverHandshake(fd, &peer, &why)) {
-      env::log(env::Level::Warn, rank_, "rejected a connection: " + why);
+    // Each handshake runs on its own thread, so a silent stranger cannot hold up the members'
+    // connections; close() shuts pending sockets down and joins these threads.
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_) {
       ::close(fd);
-      continue;
+      return;
     }
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (closed_) {
-        ::close(fd);
-        return;
-      }
-      auto it = in_fds_.find(peer);
-      if (it != in_fds_.end()) dead_fds_.push_back(it->second);
-      in_fds_[peer] = fd;
-    }
-    cv_.notify_all();
+    pending_fds_.insert(fd);
+    handshake_threads_.emplace_back([this, fd] { finishAccept(fd); });
   }
+}
+
+void Tcp::finishAccept(int fd) {
+  int peer = -1;
+  std::string why;
+  bool ok = serverHandshake(fd, &peer, &why);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    pending_fds_.erase(fd);
+    if (!ok || closed_) {
+      if (!ok && !closed_) env::log(env::Level::Warn, rank_, "rejected a connection: " + why);
+      ::close(fd);
+      return;
+    }
+    auto it = in_fds_.find(peer);
+    if (it != in_fds_.end()) dead_fds_.push_back(it->second);
+    in_fds_[peer] = fd;
+  }
+  cv_.notify_all();
 }
 
 bool Tcp::serverHandshake(int fd, int* peer_out, std::string* why) {
@@ -431,7 +449,10 @@ void Tcp::connectPeer(int peer, Deadline deadline) {
   incoming(peer, deadline);
 }
 
-int Tcp::waitAnySource(Deadline deadline) {
+int Tcp::waitAnySource(Deadline deadline, uint32_t tag) {
+  for (auto& [peer, msgs] : stash_)
+    for (auto& m : msgs)
+      if (m.header.tag == tag) return peer;
   while (true) {
     std::vector<std::pair<int, int>> fds;  // (peer, fd)
     {
@@ -454,7 +475,26 @@ int Tcp::waitAnySource(Deadline deadline) {
       if (got == 0) throw TransportError("rank " + std::to_string(fds[i].first) + " closed the connection", fds[i].first);
       if (got == static_cast<ssize_t>(sizeof(hdr))) {
         FrameHeader h = decodeHeader(hdr);
-        if (h.kind == FrameKind::Abort || (h.kind == FrameKind::Data && h.op == OpKind::Send)) return fds[i].first;
+        if (h.kind == FrameKind::Abort || (h.kind == FrameKind::Data && h.op == OpKind::Send && h.tag == tag))
+          return fds[i].first;
+        if (h.magic == kMagic && h.kind == FrameKind::Data && h.op == OpKind::Send) {
+          // A message with another tag is in front: keep it for its own receive and look again.
+          if (stash_bytes_ + h.payload_bytes > kMaxStashBytes)
+            throw TransportError("more than 1 GiB of point-to-point messages from rank " +
+                                     std::to_string(fds[i].first) + " arrived ahead of their receives",
+                                 fds[i].first);
+          Stashed m;
+          m.header = h;
+          m.payload.resize(h.payload_bytes);
+          std::string why;
+          if (!ioExact(pfds[i].fd, hdr, sizeof(hdr), false, deadline, &why) ||
+              !ioExact(pfds[i].fd, m.payload.data(), m.payload.size(), false, deadline, &why))
+            throw TransportError("receive from rank " + std::to_string(fds[i].first) + " failed: " + why,
+                                 fds[i].first);
+          stash_bytes_ += m.payload.size();
+          stash_[fds[i].first].push_back(std::move(m));
+          return waitAnySource(deadline, tag);
+        }
       }
     }
     if (Clock::now() >= deadline) throw TimeoutError("timed out waiting for a message from any rank", -1);
@@ -484,6 +524,7 @@ struct OutStream {
   size_t hdr_off = 0;
   uint64_t pay_off = 0;
   bool hdr_ready = false;
+  uint64_t bytes_done = 0;
 };
 struct InStream {
   int fd;
@@ -494,6 +535,9 @@ struct InStream {
   size_t hdr_off = 0;
   uint64_t pay_off = 0;
   bool hdr_ok = false;
+  uint64_t bytes_done = 0;
+  bool stashing = false;  // reading a p2p message with another tag into the stash
+  Tcp::Stashed stash;
 };
 
 [[noreturn]] void throwAbortFrom(int fd, int peer, const uint8_t* hdr) {
@@ -518,7 +562,10 @@ struct InStream {
 
 }  // namespace
 
-void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline) {
+void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline,
+                   std::vector<PeerTiming>* timings) {
+  const auto started = Clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - started).count(); };
   std::vector<OutStream> outs;
   std::vector<InStream> ins;
   for (auto& job : sends) {
@@ -555,6 +602,20 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
     for (size_t s = 0; s < job.segs.size(); ++s) {
       FrameHeader h = job.expect;
       h.payload_bytes = job.segs[s].bytes;
+      if (h.op == OpKind::Send) {
+        // A message with this tag may have arrived while an earlier receive waited for another.
+        auto& msgs = stash_[job.peer];
+        auto m = std::find_if(msgs.begin(), msgs.end(), [&](const Stashed& x) { return x.header.tag == h.tag; });
+        if (m != msgs.end()) {
+          std::string diff = compareHeader(h, m->header, job.peer);
+          if (!diff.empty()) throw TransportError(diff, job.peer);
+          if (h.payload_bytes) std::memcpy(job.segs[s].data, m->payload.data(), h.payload_bytes);
+          stash_bytes_ -= m->payload.size();
+          msgs.erase(m);
+          if (job.on_segment) job.on_segment(s);
+          continue;
+        }
+      }
       it->frames.push_back({h, static_cast<uint8_t*>(job.segs[s].data), job.segs[s].bytes, j, s});
     }
   }
@@ -630,8 +691,10 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
           }
           if (s.hdr_off == kHeaderBytes && s.pay_off == f.bytes) {
             sent_payload += f.bytes;
+            s.bytes_done += f.bytes;
             s.cur++;
             s.hdr_ready = false;
+            if (timings && s.cur == s.frames.size()) timings->push_back({s.peer, true, elapsed(), s.bytes_done});
           }
         }
       } else {
@@ -646,11 +709,37 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
               if (s.hdr_off == kHeaderBytes) {
                 FrameHeader h = decodeHeader(s.hdr);
                 if (h.magic == kMagic && h.kind == FrameKind::Abort) throwAbortFrom(s.fd, s.peer, s.hdr);
-                std::string diff = compareHeader(f.expect, h, s.peer);
-                if (!diff.empty()) throw TransportError(diff, s.peer);
+                if (h.magic == kMagic && h.kind == FrameKind::Data && h.op == OpKind::Send &&
+                    f.expect.op == OpKind::Send && h.tag != f.expect.tag) {
+                  // A message for a later receive: keep it and read on.
+                  if (stash_bytes_ + h.payload_bytes > kMaxStashBytes)
+                    throw TransportError("more than 1 GiB of point-to-point messages from rank " +
+                                             std::to_string(s.peer) + " arrived ahead of their receives",
+                                         s.peer);
+                  s.stashing = true;
+                  s.stash.header = h;
+                  s.stash.payload.resize(h.payload_bytes);
+                }
+                if (!s.stashing) {
+                  std::string diff = compareHeader(f.expect, h, s.peer);
+                  if (!diff.empty()) throw TransportError(diff, s.peer);
+                }
                 s.hdr_ok = true;
                 s.pay_off = 0;
               }
+            }
+          } else if (s.stashing) {
+            uint64_t want = s.stash.payload.size() - s.pay_off;
+            got = want ? ::recv(s.fd, s.stash.payload.data() + s.pay_off, static_cast<size_t>(want), 0) : 1;
+            if (want && got > 0) s.pay_off += static_cast<uint64_t>(got);
+            if (got > 0 && s.pay_off == s.stash.payload.size()) {
+              stash_bytes_ += s.stash.payload.size();
+              stash_[s.peer].push_back(std::move(s.stash));
+              s.stash = Stashed{};
+              s.stashing = false;
+              s.hdr_ok = false;
+              s.hdr_off = 0;
+              continue;
             }
           } else if (s.pay_off < f.bytes) {
             got = ::recv(s.fd, f.data + s.pay_off, static_cast<size_t>(f.bytes - s.pay_off), 0);
@@ -664,8 +753,10 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
             throw TransportError("receive from rank " + std::to_string(s.peer) + " failed: " + errnoStr(errno), s.peer);
           }
-          if (s.hdr_ok && s.pay_off == f.bytes) {
+          if (s.hdr_ok && !s.stashing && s.pay_off == f.bytes) {
+            s.bytes_done += f.bytes;
             s.cur++;
+            if (timings && s.cur == s.frames.size()) timings->push_back({s.peer, false, elapsed(), s.bytes_done});
             s.hdr_ok = false;
             s.hdr_off = 0;
             if (f.seg != SIZE_MAX && recvs[f.job].on_segment) recvs[f.job].on_segment(f.seg);

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -81,6 +82,15 @@ struct RecvJob {
   std::function<void(size_t)> on_segment;
 };
 
+// Per peer and direction, what one exchange() did: seconds from its start until that peer's
+// last frame was fully sent / received, and the payload bytes moved.
+struct PeerTiming {
+  int peer;
+  bool send;  // true: our sends to peer; false: our receives from peer
+  double seconds;
+  uint64_t bytes;
+};
+
 struct TcpOptions {
   std::string ifname;                                  // XIRANG_SOCKET_IFNAME
   std::chrono::milliseconds handshake_timeout{10000};  // per connection
@@ -106,7 +116,9 @@ class Tcp {
   // reset, bad header, abort frame from a peer, a header mismatch naming both values) or
   // TimeoutError after `deadline`. After a throw the connections involved are unusable: the
   // caller is expected to abort().
-  void exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline);
+  // If `timings` is given, one PeerTiming per peer and direction is appended to it.
+  void exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline,
+                std::vector<PeerTiming>* timings = nullptr);
 
   // Makes sure the connection to `peer` exists (connecting if needed) and that `peer`'s
   // connection to us has been accepted; bounded by `deadline`.
@@ -114,7 +126,8 @@ class Tcp {
 
   // recv from any source: blocks until some peer has a point-to-point frame (op Send) waiting
   // on its connection to us and returns that peer's rank. Throws TimeoutError after `deadline`.
-  int waitAnySource(Deadline deadline);
+  // Messages already stashed (see Stashed) with the tag count as waiting.
+  int waitAnySource(Deadline deadline, uint32_t tag);
 
   // Best effort: sends an Abort frame carrying `why` on every open connection (both
   // directions), then closes every socket. Idempotent; never throws.
@@ -129,6 +142,7 @@ class Tcp {
   int outgoing(int peer, Deadline deadline);  // fd we send on
   int incoming(int peer, Deadline deadline);  // fd we receive on
   void acceptLoop();
+  void finishAccept(int fd);
   bool serverHandshake(int fd, int* peer_out, std::string* why);
   int clientConnect(int peer, Deadline deadline);
 
@@ -147,9 +161,24 @@ class Tcp {
   std::map<int, int> out_fds_;  // peer -> fd
   std::map<int, int> in_fds_;   // peer -> fd
   std::vector<int> dead_fds_;   // closed at close()
+  std::set<int> pending_fds_;   // accepted, handshake in progress
+  std::vector<std::thread> handshake_threads_;
   bool closed_ = false;
   std::string abort_reason_;
   std::atomic<uint64_t> payload_sent_{0};
+
+ public:
+  // Point-to-point messages that arrived ahead of the receive they belong to (a different tag
+  // was expected). Only the exchanging thread touches it. Bounded by kMaxStashBytes.
+  struct Stashed {
+    FrameHeader header;
+    std::vector<uint8_t> payload;
+  };
+  static constexpr uint64_t kMaxStashBytes = 1ULL << 30;
+
+ private:
+  std::map<int, std::vector<Stashed>> stash_;
+  uint64_t stash_bytes_ = 0;
 };
 
 // Resolves the address to listen on: XIRANG_SOCKET_IFNAME's first IPv4 (else IPv6) address,
