@@ -1,0 +1,214 @@
+"""Peer failure, timeouts, poisoning and resource leaks (xirang only).
+
+Each test spawns its own ranks (a dedicated ``mp_pool.Pool``) because it kills ranks or leaves
+its group in an error state.  Run them against gloo, for harness development only, with
+XIRANG_TEST_XIRANG_ONLY_ON_GLOO=1 (the assertions are xirang's; gloo is not expected to meet them).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mp_pool
+
+pytestmark = [pytest.mark.xirang_only, pytest.mark.dedicated, pytest.mark.slow]
+
+
+def _ms(x):
+    return datetime.timedelta(milliseconds=x)
+
+
+def _wait_key(key, seconds=60):
+    mp_pool.W.store.wait([key], datetime.timedelta(seconds=seconds))
+
+
+def _second_op_raises(t, group=None):
+    """After an error the group is poisoned: the next op raises too (quickly)."""
+    return mp_pool.capture(dist.all_reduce, t, group=group)
+
+
+# ---------------------------------------------------------------- a peer exits after a barrier
+def w_peer_exits():
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os._exit(0)
+    t = torch.ones(1000)
+    first = mp_pool.capture(dist.all_reduce, t)
+    second = _second_op_raises(t)
+    return first, second
+
+
+def test_peer_exit_detected_fast(backend):
+    with mp_pool.Pool(2, backend, timeout_s=60) as pool:
+        res = pool.run(w_peer_exits, allow_exit=[0], timeout=60)
+        assert isinstance(res[0], mp_pool.Exited)
+        first, second = res[1]
+        print(f"{backend}: peer exit -> rank 1 raised after {getattr(first, 'elapsed', None)}: {first}")
+        assert isinstance(first, mp_pool.ExcInfo), "rank 1's all_reduce did not raise after rank 0 exited"
+        assert first.is_runtime_error, f"not a RuntimeError: {first}"
+        assert first.elapsed < 5.0, f"rank 1 raised after {first.elapsed:.2f} s (want ~2 s, group timeout 60 s)"
+        assert isinstance(second, mp_pool.ExcInfo) and second.is_runtime_error, "group not poisoned"
+        assert second.elapsed < 5.0, f"second op took {second.elapsed:.2f} s to raise"
+
+
+# ---------------------------------------------------------------- a peer is SIGKILLed mid-op
+def w_killed_during_large_allreduce():
+    me = dist.get_rank()
+    t = torch.ones(16 * 1024 * 1024)  # 64 MiB of float32
+    dist.barrier()
+    if me == 2:
+        def killer():
+            time.sleep(0.05)
+            mp_pool.W.store.set("killed_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=killer, daemon=True).start()
+    t_start = time.time()
+    for i in range(200):  # keep 64 MiB all_reduces in flight until the kill lands
+        try:
+            dist.all_reduce(t)
+        except Exception as e:  # noqa: BLE001
+            t_err = time.time()
+            killed_at = float(mp_pool.W.store.get("killed_at").decode())
+            return dict(exc=mp_pool.exc_info(e), latency=t_err - killed_at, ops_done=i,
+                        since_start=t_err - t_start, second=_second_op_raises(torch.ones(4)))
+    return dict(exc=None, ops_done=200)
+
+
+def test_peer_killed_during_64mib_allreduce(backend):
+    with mp_pool.Pool(3, backend, timeout_s=60) as pool:
+        res = pool.run(w_killed_during_large_allreduce, allow_exit=[2], timeout=60)
+        assert isinstance(res[2], mp_pool.Exited)
+        for r in (0, 1):
+            d = res[r]
+            print(f"{backend}: rank {r} after kill: {d}")
+            assert d["exc"] is not None, f"rank {r} never raised after rank 2 was killed"
+            assert d["exc"].is_runtime_error, f"rank {r}: not a RuntimeError: {d['exc']}"
+            assert d["latency"] < 5.0, f"rank {r} raised {d['latency']:.2f} s after the kill (want ~2 s)"
+            assert isinstance(d["second"], mp_pool.ExcInfo), f"rank {r}: group not poisoned"
+
+
+# ---------------------------------------------------------------- group timeout 1 s
+def w_group_timeout(seconds):
+    g = dist.new_group(backend=mp_pool.W.backend, timeout=datetime.timedelta(seconds=seconds))
+    dist.barrier(group=g)  # the group is connected and both ranks are here
+    if dist.get_rank() == 1:  # never calls the all_reduce
+        _wait_key("rank0_done")
+        return None
+    res = mp_pool.capture(dist.all_reduce, torch.ones(8), group=g)
+    second = _second_op_raises(torch.ones(8), group=g)
+    mp_pool.W.store.set("rank0_done", "1")
+    return res, second
+
+
+def test_group_timeout(backend):
+    with mp_pool.Pool(2, backend, timeout_s=60) as pool:
+        res = pool.run(w_group_timeout, 1.0, timeout=60)
+        first, second = res[0]
+        print(f"{backend}: group timeout 1 s -> raised after {getattr(first, 'elapsed', None)}: {first}")
+        assert isinstance(first, mp_pool.ExcInfo), "all_reduce with an absent peer did not raise"
+        assert first.is_runtime_error, f"not a RuntimeError: {first}"
+        assert 0.8 <= first.elapsed <= 4.0, f"raised after {first.elapsed:.2f} s, want ~1 s (group timeout)"
+        assert isinstance(second, mp_pool.ExcInfo), "group not poisoned after the timeout"
+        assert second.elapsed < 4.0, f"second op took {second.elapsed:.2f} s"
+
+
+# ---------------------------------------------------------------- per-op timeout beats group's
+def w_op_timeout():
+    g = dist.new_group(backend=mp_pool.W.backend, timeout=datetime.timedelta(seconds=10))
+    dist.barrier(group=g)
+    if dist.get_rank() == 1:
+        _wait_key("rank0_done")
+        return None
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.timeout = _ms(200)
+
+    def op():
+        return g.allreduce([torch.ones(8)], opts).wait()
+
+    first = mp_pool.capture(op)
+    second = _second_op_raises(torch.ones(8), group=g)
+    mp_pool.W.store.set("rank0_done", "1")
+    return first, second
+
+
+def test_op_timeout_beats_group_timeout(backend):
+    with mp_pool.Pool(2, backend, timeout_s=60) as pool:
+        first, second = pool.run(w_op_timeout, timeout=60)[0]
+        print(f"{backend}: op timeout 200 ms -> raised after {getattr(first, 'elapsed', None)}: {first}")
+        assert isinstance(first, mp_pool.ExcInfo), "all_reduce with an absent peer did not raise"
+        assert first.is_runtime_error, f"not a RuntimeError: {first}"
+        assert 0.1 <= first.elapsed <= 2.0, f"raised after {first.elapsed:.2f} s, want ~0.2 s (op timeout)"
+        assert isinstance(second, mp_pool.ExcInfo), "group not poisoned after the op timeout"
+        assert second.elapsed < 4.0, f"second op took {second.elapsed:.2f} s (group timeout is 10 s)"
+
+
+# ---------------------------------------------------------------- error reaches wait() and the future
+def w_async_error_reaches_future():
+    g = dist.new_group(backend=mp_pool.W.backend, timeout=datetime.timedelta(seconds=1))
+    dist.barrier(group=g)
+    if dist.get_rank() == 1:
+        _wait_key("rank0_done")
+        return None
+    w = dist.all_reduce(torch.ones(8), group=g, async_op=True)
+    fut = w.get_future()
+    waited = mp_pool.capture(w.wait)
+    fut_err = mp_pool.capture(fut.wait)
+    mp_pool.W.store.set("rank0_done", "1")
+    return waited, fut_err, w.is_completed()
+
+
+def test_async_error_reaches_wait_and_future(backend):
+    with mp_pool.Pool(2, backend, timeout_s=60) as pool:
+        waited, fut_err, completed = pool.run(w_async_error_reaches_future, timeout=60)[0]
+        assert isinstance(waited, mp_pool.ExcInfo), "Work.wait() did not raise"
+        assert isinstance(fut_err, mp_pool.ExcInfo), "the Future did not carry the error"
+        assert completed, "is_completed() False after the op failed"
+
+
+# ---------------------------------------------------------------- no fd / thread leaks
+def _counts():
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def w_group_cycles(n, warmup, default_group):
+    backend, me, ws = mp_pool.W.backend, mp_pool.W.rank, mp_pool.W.world_size
+    if default_group:
+        dist.destroy_process_group()
+    before = None
+    for i in range(n):
+        if i == warmup:
+            before = _counts()
+        if default_group:
+            dist.init_process_group(backend, store=dist.PrefixStore(f"cycle{i}", mp_pool.W.store),
+                                    rank=me, world_size=ws, timeout=datetime.timedelta(seconds=60))
+            g = None
+        else:
+            g = dist.new_group(backend=backend)
+        t = torch.ones(1000)
+        dist.all_reduce(t, group=g)
+        assert t[0].item() == ws
+        if default_group:
+            dist.destroy_process_group()
+        else:
+            dist.destroy_process_group(g)
+    time.sleep(0.2)  # let exiting threads finish
+    return before, _counts()
+
+
+@pytest.mark.parametrize("default_group", [False, True], ids=["new_group", "init_process_group"])
+def test_no_fd_or_thread_leak_over_50_groups(backend, default_group):
+    with mp_pool.Pool(2, backend, timeout_s=60) as pool:
+        res = pool.run(w_group_cycles, 50, 5, default_group, timeout=120)
+        pool.discard()
+        for r, ((fd0, th0), (fd1, th1)) in enumerate(res):
+            print(f"{backend}: rank {r} fds {fd0}->{fd1} threads {th0}->{th1}")
+            assert fd1 - fd0 <= 3, f"rank {r}: open fds {fd0} -> {fd1} over 45 create/use/destroy cycles"
+            assert th1 - th0 <= 2, f"rank {r}: threads {th0} -> {th1} over 45 create/use/destroy cycles"
