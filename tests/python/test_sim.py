@@ -1,0 +1,168 @@
+"""xirang.sim: closed forms, the backend's own ring schedule, the timeline, and every CLI mode's JSON."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from xirang import sim
+from xirang.sim import Cluster, Compute, Config, Model, RingSet, Sim
+
+C = pytest.importorskip("xirang._C")
+
+
+def small_sim(gpus=16, gph=4, hpr=4, placement="packed", tp=1, pp=1, **kw):
+    cl = Cluster(gpus=gpus, gpus_per_host=gph, hosts_per_rack=hpr, placement=placement, **kw)
+    return Sim(Model(layers=8, hidden=256, extra_params=1000, tp=tp, pp=pp), cl, Compute(fwd_s=0.05, bwd_s=0.1))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 8, 64])
+@pytest.mark.parametrize("bw", [1e9, 12.5e9])
+def test_ring_zero_latency_is_bandwidth_term(n, bw):
+    numel = n * 1_000_003
+    S = numel * 4
+    assert sim.ring_time(numel, n, 4, 0.0, bw) == pytest.approx(2 * (n - 1) / n * S / bw, rel=1e-12)
+    # same through the contention model: n GPUs in one host, one edge class
+    cl = Cluster(gpus=n, gpus_per_host=n, hosts_per_rack=1, host_GBps=bw / 1e9, host_alpha_us=0.0)
+    rs = RingSet([list(range(n))], cl)
+    assert rs.time(numel, 4) == pytest.approx(2 * (n - 1) / n * S / bw, rel=1e-12)
+    # latency adds exactly 2(n-1) alpha
+    assert sim.ring_time(numel, n, 4, 1e-5, bw) - sim.ring_time(numel, n, 4, 0.0, bw) == pytest.approx(2 * (n - 1) * 1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 13, 64])
+@pytest.mark.parametrize("numel", [0, 1, 3, 10, 1000, 1001, 65537, 10**9 + 7])
+def test_bytes_match_backend_ring_replay(n, numel):
+    replay = C.ring_allreduce_elements_sent(numel, n)
+    assert sim.ring_elements_sent(numel, n) == list(replay)
+    assert sum(replay) == 2 * (n - 1) * numel
+    if n > 1:  # every edge crosses a rack: cross-rack bytes = the replay's bytes x element size
+        cl = Cluster(gpus=n, gpus_per_host=1, hosts_per_rack=1)
+        for es in (4, 2):
+            assert RingSet([list(range(n))], cl).xrack_bytes(numel, es) == sum(replay) * es
+
+
+def test_topology_ring_matches_backend_order_and_crosses_each_rack_once():
+    cl = Cluster(gpus=64, gpus_per_host=2, hosts_per_rack=4, placement="random", seed=3)
+    s = Sim(Model(layers=4, hidden=64, extra_params=0), cl, Compute())
+    slots = s.groups[0]
+    labels = [(r, f"h{cl.where(x)[1]:04d}", f"r{cl.where(x)[0]:03d}") for r, x in enumerate(slots)]
+    order = [slots[r] for r in C.ring_order(labels, True)]
+    assert order == sorted(slots, key=cl.where)
+    topo, naive = s._ring_plan(True), s._ring_plan(False)
+    assert len(topo.xrack_pos) == 64 // 8  # one crossing per rack
+    assert len(naive.xrack_pos) > len(topo.xrack_pos)
+    assert topo.xrack_bytes(10**6, 4) < naive.xrack_bytes(10**6, 4)
+
+
+@pytest.mark.parametrize("numel", [4096 * 16, 10**6 + 3])
+def test_two_level_equals_formula(numel):
+    s = small_sim(gpus=16, gph=4, hpr=4, launch_us=0.0)  # 4 hosts of 4 GPUs in one rack
+    t, xb = s.allreduce(numel, Config(two_level=True, topo=True))
+    L = s.cl.links()
+    (a_l, b_l), (a_x, b_x) = L["host"], L["rack"]
+    assert t == pytest.approx(sim.two_level_time(numel, 4, 4, 4, a_l, b_l, a_x, b_x), rel=1e-12)
+    part = math.ceil(numel / 4)
+    manual = 2 * 3 * (a_l + part * 4 / b_l) + 2 * 3 * (a_x + math.ceil(part / 4) * 4 / b_x)
+    assert t == pytest.approx(manual, rel=1e-12)
+    assert xb == 0.0
+
+
+def test_uplink_oversubscription_slows_cross_rack_ring():
+    kw = dict(gpus=16, gph=1, hpr=4, placement="interleaved")
+    fast, slow = small_sim(oversub=1.0, **kw), small_sim(oversub=8.0, **kw)
+    cfg = Config()
+    assert slow.allreduce(10**7, cfg)[0] > fast.allreduce(10**7, cfg)[0]
+    # a topology-aware ring over packed racks: 1 flow per rack uplink of 4 NICs / 8 -> half a NIC
+    t, _ = slow.allreduce(16 * 10**6, Config(topo=True))
+    uplink = 4 * slow.cl.xrack_Gbps * 1e9 / 8 / 8.0
+    assert t == pytest.approx(sim.ring_time(16 * 10**6, 16, 4, slow.cl.xrack_alpha_us * 1e-6, uplink), rel=1e-12)
+
+
+@pytest.mark.parametrize("opts", [(), ("bucketing",), ("bf16",), ("topo", "two_level"), sim.OPTS])
+@pytest.mark.parametrize("gpus,tp,pp", [(8, 1, 1), (64, 1, 1), (128, 8, 4), (256, 2, 2)])
+def test_overlap_never_slower_than_compute_and_exposed_le_total(opts, gpus, tp, pp):
+    cl = Cluster(gpus=gpus)
+    m = Model(layers=32, hidden=1024, extra_params=5e7, tp=tp, pp=pp)
+    for comp in (Compute(0.05, 0.1), Compute(0.5, 1.0, opt_s=0.01, microbatches=4), Compute(0.001, 0.002)):
+        s = Sim(m, cl, comp)
+        compute = comp.fwd_s + comp.bwd_s + comp.opt_s
+        for group in (1, 3, 8):
+            on = s.run(Config.of(set(opts) | {"overlap"}, group=group))
+            off = s.run(Config.of(set(opts) - {"overlap"}, group=group))
+            for r in (on, off):
+                assert r["step_s"] >= compute - 1e-12
+                assert 0 <= r["exposed_comm_s"] <= r["total_comm_s"] + 1e-12
+                assert r["step_s"] <= compute + r["total_comm_s"] + 1e-12
+            if "bucketing" not in opts:  # same collectives, only launched earlier
+                assert on["total_comm_s"] == pytest.approx(off["total_comm_s"])
+                assert on["step_s"] <= off["step_s"] + 1e-12
+            assert off["exposed_comm_s"] == pytest.approx(off["total_comm_s"])
+
+
+def run_main(capsys, *argv):
+    assert sim.main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_json_every_mode(capsys, tmp_path):
+    single = json.loads(run_main(capsys, "--json", "--all", "--gpus", "64"))
+    assert single["result"]["dp"] == 64 and single["result"]["step_s"] > 0
+    paper = json.loads(run_main(capsys, "--paper", "--json"))
+    assert paper["rows"] and paper["assumed"]
+    rec = json.loads(run_main(capsys, "--recommend", "--json", "--model", "gpt3-1.3b"))
+    assert [r["gpus"] for r in rec["rows"]] == [8, 16, 32, 64, 128, 256, 512, 1024]
+    f = tmp_path / "ar.json"
+    f.write_text(json.dumps([{"backend": "xirang", "ws": 2, "bytes": 2**k, "time_us": 50 + 2**k / 1e3} for k in range(20, 25)]))
+    cal = json.loads(run_main(capsys, "--calibrate", str(f), "--json"))
+    assert cal["rows"] and cal["alpha_us"] >= 0
+    for argv in (["--all"], ["--paper"], ["--recommend", "--model", "gpt3-1.3b"], ["--calibrate", str(f)]):
+        assert run_main(capsys, *argv).strip()  # the table modes print something
+
+
+def test_module_entry_point_json():
+    p = subprocess.run([sys.executable, "-m", "xirang.sim", "--json", "--gpus", "16", "--overlap"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["result"]["config"] == "overlap"
+
+
+def test_paper_flags_inconsistent_claims():
+    a = argparse_defaults("--paper")
+    d = sim.paper(a)
+    bad = set(d["inconsistent"])
+    assert {"allreduce, 8 GPUs in one rack", "allreduce, 128 GPUs across racks", "layer groups",
+            "all combined, 128 GPUs: step", "all combined, 128 GPUs: throughput"} <= bad
+    rows = {r["claim"]: r for r in d["rows"]}
+    assert "96 layers / 8 = 12 groups, not 24" in rows["layer groups"]["check"]
+    assert "+23%" in rows["all combined, 128 GPUs: throughput"]["check"]
+    assert "79x" in rows["allreduce, 128 GPUs across racks"]["check"]
+    assert not rows["BF16 + error feedback"]["inconsistent"]
+    # literal reading: 700 GB fp32 over 128 GPUs at 100 Gbit/s is ~111 s, nowhere near 1.4 s
+    assert rows["allreduce, 128 GPUs across racks"]["sim_literal"] == pytest.approx(2 * 127 / 128 * 698.4e9 / 12.5e9, rel=0.02)
+    assert rows["BF16 + error feedback"]["sim_literal"] == pytest.approx(-50.0)
+
+
+def argparse_defaults(*argv):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--paper", action="store_true")
+    sim.add_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_calibrate_recovers_alpha_beta(tmp_path):
+    alpha, beta = 30e-6, 1 / 2e9
+    rows = [{"backend": "xirang", "world_size": n, "size_bytes": S, "median_us": 1e6 * sim.predict(alpha, beta, n, S)}
+            for n in (2, 3, 4) for S in (2**20, 2**22, 2**24)]
+    rows.append({"backend": "gloo", "ws": 2, "bytes": 2**20, "time_us": 1.0})  # ignored: other backend
+    f = tmp_path / "ar.json"
+    f.write_text(json.dumps({"results": rows}))
+    d = sim.calibrate(str(f))
+    assert d["alpha_us"] == pytest.approx(30.0, rel=1e-6)
+    assert d["bandwidth_GBps"] == pytest.approx(2.0, rel=1e-6)
+    assert all(abs(r["error_pct"]) < 1e-6 for r in d["rows"])
