@@ -4,11 +4,13 @@
 #include <c10/util/Exception.h>
 
 #include <cstring>
+#include <set>
 #include <sstream>
 
 #include "core/codec.h"
 #include "core/env.h"
 #include "core/reduce.h"
+#include "core/topology.h"
 
 namespace xirang {
 
@@ -70,6 +72,15 @@ ReduceOp toReduceOp(const c10d::ReduceOp& op) {
     case c10d::ReduceOp::PREMUL_SUM: return ReduceOp::PremulSum;
     default: TORCH_CHECK(false, "xirang: unsupported reduce op ", static_cast<int>(op.op_));
   }
+}
+
+// Profiler range names must outlive the RecordFunction that points at them: intern them.
+const char* groupTitle(int64_t group_id) {
+  if (group_id < 0) return "xirang:allreduce_bf16_ef";
+  static std::mutex mu;
+  static std::set<std::string> names;
+  std::lock_guard<std::mutex> g(mu);
+  return names.insert("xirang:group" + std::to_string(group_id)).first->c_str();
 }
 
 bool is16BitFloat(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
@@ -161,7 +172,26 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   std::string algo = cfg_.algorithm == "auto" ? env::get("XIRANG_ALGO") : cfg_.algorithm;
   if (algo == "ring") comm_.algo = Comm::Algo::Ring;
   else if (algo == "direct") comm_.algo = Comm::Algo::Direct;
-  else comm_.algo = Comm::Algo::Auto;
+  else if (algo == "two_level") comm_.algo = Comm::Algo::TwoLevel;
+  else if (algo == "auto") comm_.algo = Comm::Algo::Auto;
+  else TORCH_CHECK(false, "xirang: XIRANG_ALGO/algorithm must be auto, ring, direct or two_level, got '", algo, "'");
+  if (static_cast<int>(cfg_.hosts.size()) == size && size > 1) {
+    std::vector<topology::RankLabel> labels;
+    for (int r = 0; r < size; ++r)
+      labels.push_back({r, cfg_.hosts[r], r < static_cast<int>(cfg_.racks.size()) ? cfg_.racks[r] : "", 0});
+    topology::assignLocalRanks(labels);
+    auto plan = topology::twoLevelPlan(labels, /*by_rack=*/false);
+    if (plan.valid && plan.local_groups.size() > 1 && plan.local_groups[0].size() > 1) {
+      for (auto& lg : plan.local_groups)
+        if (std::find(lg.begin(), lg.end(), rank) != lg.end()) comm_.local_group = lg;
+      for (auto& cg : plan.cross_groups)
+        if (std::find(cg.begin(), cg.end(), rank) != cg.end()) comm_.cross_group = cg;
+    } else if (algo == "two_level" || algo == "auto") {
+      env::log(env::Level::Info, rank,
+               "two-level allreduce unavailable (" + (plan.valid ? std::string("one host or one rank per host") : plan.reason) +
+                   "): using the ring");
+    }
+  }
   std::ostringstream ring;
   for (int r : comm_.ring) ring << r << " ";
   env::log(env::Level::Info, rank,
@@ -229,7 +259,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::enqueue(c10d::OpType type, co
   op.tls = at::ThreadLocalState();
   op.enqueued = Clock::now();
   op.rec.seq = op.ctx.seq;
-  op.rec.op = title ? std::string(title).substr(std::strlen("xirang:")) : transport::opKindName(kind);
+  op.rec.op = kind == OpKind::AllreduceEF ? "allreduce_bf16_ef"
+              : title                      ? std::string(title).substr(std::strlen("xirang:"))
+                                           : transport::opKindName(kind);
   op.rec.group_id = group_id;
   op.rec.label = std::move(label);
   op.rec.dtype = dtypeName(dtype);
@@ -492,7 +524,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor bu
     xirang::allreduceBF16EF(comm_, ctx, buffer.data_ptr<float>(), residual.data_ptr<float>(), staged.data_ptr<float>(),
                     buffer.numel());
   };
-  return enqueue(c10d::OpType::ALLREDUCE, "xirang:allreduce_bf16_ef", OpKind::AllreduceEF, {buffer}, {buffer},
+  return enqueue(c10d::OpType::ALLREDUCE, groupTitle(group_id), OpKind::AllreduceEF, {buffer}, {buffer},
                  DType::Float32, ReduceOp::Avg, static_cast<uint64_t>(buffer.numel()), c10d::kUnsetTimeout, fn,
                  group_id, std::move(label));
 }

@@ -95,21 +95,23 @@ void directAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t num
   const uint64_t bytes = static_cast<uint64_t>(numel) * elementSize(wire);
   uint8_t* all = comm.scratch->get(0, bytes * n);
   const int me = comm.rank;
-  if (bytes) std::memcpy(all + bytes * me, data, bytes);
+  // Slot i holds the input of the i-th member in rank order.
+  std::vector<int> order = comm.ring;
+  std::sort(order.begin(), order.end());
+  auto slot = [&](int r) { return all + bytes * (std::lower_bound(order.begin(), order.end(), r) - order.begin()); };
+  if (bytes) std::memcpy(slot(me), data, bytes);
   std::vector<SendJob> sends;
   std::vector<RecvJob> recvs;
   for (int r : comm.ring) {
     if (r == me) continue;
     sends.push_back(SendJob{r, headerFor(ctx, 0), {SendSeg{data, bytes}}});
-    recvs.push_back(RecvJob{r, headerFor(ctx, 0), {RecvSeg{all + bytes * r, bytes}}, nullptr});
+    recvs.push_back(RecvJob{r, headerFor(ctx, 0), {RecvSeg{slot(r), bytes}}, nullptr});
   }
   auto t0 = Clock::now();
   runExchange(comm, ctx, sends, recvs);
   // Reduce in rank order on every rank: the same operands in the same order give the same bits.
-  std::vector<int> order = comm.ring;
-  std::sort(order.begin(), order.end());
-  if (bytes) std::memcpy(data, all + bytes * order[0], bytes);
-  for (size_t i = 1; i < order.size(); ++i) reduceInto(data, all + bytes * order[i], numel, wire, op);
+  if (bytes) std::memcpy(data, all, bytes);
+  for (size_t i = 1; i < order.size(); ++i) reduceInto(data, all + bytes * i, numel, wire, op);
   if (ctx.phases) {
     ctx.phases->scatter_reduce_s += since(t0);
     ctx.phases->algorithm = "direct";
@@ -165,14 +167,45 @@ void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel
 
 }  // namespace
 
+// Two-level (hierarchical) allreduce: reduce-scatter among the ranks of this host, allreduce of
+// this rank's shard among the ranks holding the same shard on the other hosts, allgather inside
+// the host. Shard j's final value is computed once by the cross-host allreduce and copied, so
+// every rank ends with the same bits.
+void twoLevelAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
+  const size_t elem = elementSize(wire);
+  const int g = static_cast<int>(comm.local_group.size());
+  const int j = static_cast<int>(std::find(comm.local_group.begin(), comm.local_group.end(), comm.rank) -
+                                 comm.local_group.begin());
+  auto shards = ring::partition(numel, g);
+  uint8_t* base = static_cast<uint8_t*>(data);
+  int max_rank = 0;
+  for (int r : comm.ring) max_rank = std::max(max_rank, r);
+  std::vector<RecvSeg> blocks(static_cast<size_t>(max_rank) + 1, RecvSeg{nullptr, 0});
+  for (int k = 0; k < g; ++k)
+    blocks[comm.local_group[k]] = RecvSeg{base + shards[k].offset * elem, static_cast<uint64_t>(shards[k].count) * elem};
+  Comm local = comm;
+  local.ring = comm.local_group;
+  local.local_group.clear();
+  Comm cross = comm;
+  cross.ring = comm.cross_group;
+  cross.local_group.clear();
+  reduceScatter(local, ctx, blocks, wire, op);
+  allreduce(cross, ctx, base + shards[j].offset * elem, shards[j].count, wire, op);
+  allgather(local, ctx, blocks);
+  if (ctx.phases) ctx.phases->algorithm = "two_level";
+}
+
 void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
-  if (comm.size() <= 1 || numel == 0) return;
+  if (comm.size() <= 1) return;
   const uint64_t bytes = static_cast<uint64_t>(numel) * elementSize(wire);
-  bool direct = comm.algo == Comm::Algo::Direct ||
-                (comm.algo == Comm::Algo::Auto && (bytes <= static_cast<uint64_t>(comm.small_bytes) ||
-                                                   numel < comm.size()));
-  if (direct) {
+  const bool small = bytes <= static_cast<uint64_t>(comm.small_bytes) || numel < comm.size();
+  const bool two_level_ok = comm.local_group.size() > 1 && comm.cross_group.size() > 1 &&
+                            numel >= static_cast<int64_t>(comm.local_group.size());
+  // numel == 0 still exchanges (empty) frames so a rank that disagrees about the size is told.
+  if (numel == 0 || comm.algo == Comm::Algo::Direct || (comm.algo == Comm::Algo::Auto && small)) {
     directAllreduce(comm, ctx, data, numel, wire, op);
+  } else if (two_level_ok && (comm.algo == Comm::Algo::TwoLevel || comm.algo == Comm::Algo::Auto)) {
+    twoLevelAllreduce(comm, ctx, data, numel, wire, op);
   } else {
     ringAllreduce(comm, ctx, data, numel, wire, op);
   }

@@ -38,7 +38,16 @@ struct Comm {
   std::vector<int> ring;       // ring order: ranks by position; every member appears once
   int64_t segment_bytes = 1 << 20;
   int64_t small_bytes = 64 << 10;
-  enum class Algo { Auto, Ring, Direct } algo = Algo::Auto;
+  // Auto: the direct exchange up to small_bytes; above it the two-level allreduce when a plan
+  // exists (local_group/cross_group set: several hosts with the same number of ranks each),
+  // else the ring. Alpha-beta reasoning (Thakur, Rabenseifner & Gropp 2005): a flat ring over
+  // N ranks pays 2(N-1) step latencies on its slowest link; two-level pays 2(g-1) cheap
+  // intra-host steps plus 2(H-1) cross-host ones, while each host uplink still carries about
+  // 2(H-1)/H x S bytes, so it wins where hosts are many and cross-host latency dominates.
+  enum class Algo { Auto, Ring, Direct, TwoLevel } algo = Algo::Auto;
+  std::vector<int> local_group;  // two-level plan: ranks on this rank's host, in ring order
+  std::vector<int> cross_group;  // ranks with this rank's local index on every host
+
   std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();  // one op at a time uses it
 
   int size() const { return static_cast<int>(ring.size()); }

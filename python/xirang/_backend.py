@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 from typing import Optional
 
 import torch
@@ -42,23 +44,44 @@ class Options:
 
     Attributes:
         timeout: seconds; overrides the group's timeout when set (per-op timeouts still win).
-        algorithm: "auto" (direct exchange up to XIRANG_SMALL_BYTES, ring above), "ring", "direct".
-        ring_order: "topology" (rack, host, rank; see XIRANG_HOST/XIRANG_RACK) or "rank".
+        algorithm: "auto" (direct exchange up to XIRANG_SMALL_BYTES; above it two-level where hosts
+            hold equal numbers of ranks, else the ring), "ring", "direct", "two_level". Default
+            "auto" defers to XIRANG_ALGO.
+        ring_order: "topology" (sorted by rack, host, rank; labels from XIRANG_HOST/XIRANG_RACK/
+            XIRANG_TOPOLOGY_FILE) or "rank"; None defers to XIRANG_RING_ORDER (default topology).
         elastic: reserved for fault-tolerant mode (XIRANG_ELASTIC); must be False for now.
     """
 
     timeout: Optional[float] = None
     algorithm: str = "auto"
-    ring_order: str = "topology"
+    ring_order: Optional[str] = None
     elastic: bool = False
 
     def __post_init__(self):
-        if self.algorithm not in ("auto", "ring", "direct"):
-            raise ValueError(f"xirang.Options: algorithm must be auto, ring or direct, got {self.algorithm!r}")
-        if self.ring_order not in ("topology", "rank"):
+        if self.algorithm not in ("auto", "ring", "direct", "two_level"):
+            raise ValueError(
+                f"xirang.Options: algorithm must be auto, ring, direct or two_level, got {self.algorithm!r}"
+            )
+        if self.ring_order not in (None, "topology", "rank"):
             raise ValueError(f"xirang.Options: ring_order must be topology or rank, got {self.ring_order!r}")
         if self.elastic:
             raise NotImplementedError("xirang.Options(elastic=True): elastic mode is not implemented yet")
+
+
+def _labels() -> tuple:
+    """This rank's (host, rack) labels: XIRANG_HOST (default hostname), XIRANG_RACK, else the
+    XIRANG_TOPOLOGY_FILE line 'hostname rack' for the host, else 'rack0'."""
+    host = os.environ.get("XIRANG_HOST") or socket.gethostname()
+    rack = os.environ.get("XIRANG_RACK", "")
+    path = os.environ.get("XIRANG_TOPOLOGY_FILE", "")
+    if not rack and path:
+        with open(path) as f:
+            for line in f:
+                parts = line.split("#", 1)[0].split()
+                if len(parts) >= 2 and parts[0] == host:
+                    rack = parts[1]
+                    break
+    return host, rack or "rack0"
 
 
 def create(dist_backend_opts, backend_options):
@@ -67,17 +90,45 @@ def create(dist_backend_opts, backend_options):
     timeout = dist_backend_opts.timeout.total_seconds()
     if opts.timeout is not None:
         timeout = float(opts.timeout)
-    group_name = getattr(dist_backend_opts, "group_id", "") or ""
-    pg = C.ProcessGroupXirang(
-        dist_backend_opts.store,
-        dist_backend_opts.group_rank,
-        dist_backend_opts.group_size,
+    store = dist_backend_opts.store
+    rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
+    group_name = str(getattr(dist_backend_opts, "group_id", "") or "")
+    global_ranks = list(getattr(dist_backend_opts, "global_ranks_in_group", []) or range(size))
+    global_rank = int(global_ranks[rank]) if rank < len(global_ranks) else rank
+
+    # Topology labels of every rank, exchanged through the group's (prefixed) store.
+    host, rack = _labels()
+    hosts, racks, ring = [host], [rack], []
+    if size > 1:
+        store.set(f"xirang/label/{rank}", f"{host}\t{rack}")
+        labels = []
+        for r in range(size):
+            h, k = store.get(f"xirang/label/{r}").decode().split("\t")
+            labels.append((r, h, k))
+        hosts = [h for _, h, _ in labels]
+        racks = [k for _, _, k in labels]
+        order = opts.ring_order or os.environ.get("XIRANG_RING_ORDER") or "topology"
+        if order not in ("topology", "rank"):
+            raise ValueError(f"XIRANG_RING_ORDER must be topology or rank, got {order!r}")
+        ring = list(C.ring_order(labels, order == "topology"))
+    run_id = os.environ.get("XIRANG_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    stats_dir = os.environ.get("XIRANG_STATS_DIR", "")
+    if stats_dir:
+        os.makedirs(stats_dir, exist_ok=True)
+    return C.ProcessGroupXirang(
+        store,
+        rank,
+        size,
         timeout,
-        str(group_name),
+        group_name,
         opts.algorithm,
-        [],
+        ring,
+        hosts if size > 1 else [],
+        racks if size > 1 else [],
+        global_rank,
+        stats_dir,
+        run_id,
     )
-    return pg
 
 
 def backend_for(process_group=None):
