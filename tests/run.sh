@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every xirang test, on a fresh machine or an old one:
+#
+#     bash tests/run.sh            # set-up (tests/setup_env.sh), C++ core tests (ctest), pytest
+#     bash tests/run.sh -k hook    # extra arguments go to pytest
+#
+# Set-up: python3 if it can import torch, else .venv/ with torch 2.13.0; numpy, scikit-learn,
+# tqdm, pytest; Catch2 v2 (Debian `catch2`, installed with apt when running as root); then
+# `pip install --no-build-isolation .`. Exits non-zero if anything fails.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+start=$(date +%s)
+
+# shellcheck source=setup_env.sh
+source "$root/tests/setup_env.sh" || { echo "tests: set-up failed" >&2; exit 1; }
+if [ "$XIRANG_AVAILABLE" != 1 ]; then
+    echo "tests: xirang could not be built/imported: $XIRANG_BUILD_ERROR" >&2
+    exit 1
+fi
+
+# --- C++ core (torch-free), Catch2 v2 + ctest ------------------------------------------------
+if [ ! -f /usr/include/catch2/catch.hpp ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "tests: installing catch2 (Debian package)" >&2
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq catch2 cmake) >&2
+    else
+        echo "tests: Catch2 v2 is missing (apt-get install catch2) and this is not root" >&2
+        exit 1
+    fi
+fi
+if ! command -v cmake >/dev/null; then
+    "$PY" -m pip install -q cmake -c "$XIRANG_CONSTRAINT"
+fi
+cmake -S . -B build/core -DCMAKE_BUILD_TYPE=Release > build/core-configure.log
+cmake --build build/core -j2 > build/core-build.log || { cat build/core-build.log; exit 1; }
+(cd build/core && ctest --output-on-failure)
+
+# --- Python, multi-process -------------------------------------------------------------------
+# From tests/python so the installed xirang is imported, not python/ of the work tree.
+"$PY" -m pytest tests/python -q -p no:cacheprovider "$@"
+
+echo "tests: all passed in $(( $(date +%s) - start )) s" >&2
