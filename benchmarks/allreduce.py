@@ -38,6 +38,9 @@ import threading
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ranks import run_ranks  # noqa: E402
+
 KiB = 1024
 MiB = 1024 * 1024
 DEFAULT_SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
@@ -76,12 +79,6 @@ def fmt_bytes(n: int) -> str:
         if n >= m and n % m == 0:
             return f"{n // m} {unit}"
     return f"{n} B"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- raw TCP ceiling
@@ -259,53 +256,16 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
 
 # ---------------------------------------------------------------- driver
 def run_ws(ws: int, cfg: dict, on_row) -> tuple[list, dict]:
-    import torch.multiprocessing as mp
+    rows, info = [], {}
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, ws, port, cfg, q), daemon=True) for r in range(ws)]
-    for p in procs:
-        p.start()
-    rows, info, done, err = [], {}, 0, None
-    deadline = time.monotonic() + cfg["timeout"]
-    import queue as _queue
-
-    while done < ws and err is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            err = f"WS={ws}: timed out after {cfg['timeout']} s"
-            break
-        try:
-            kind, val = q.get(timeout=min(left, 1.0))
-        except _queue.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                # give the error message a moment to arrive
-                try:
-                    kind, val = q.get(timeout=2.0)
-                except _queue.Empty:
-                    err = f"WS={ws}: rank(s) exited with {[p.exitcode for p in dead]}"
-                    break
-            else:
-                continue
+    def on_message(kind, val):
         if kind == "row":
             rows.append(val)
             on_row(val)
         elif kind == "info":
             info.update(val)
-        elif kind == "done":
-            done += 1
-        elif kind == "error":
-            err = val
-    for p in procs:
-        p.join(timeout=10 if err is None else 2)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    if err:
-        raise RuntimeError(err)
+
+    run_ranks(worker, ws, cfg, on_message)
     return rows, info
 
 

@@ -13,6 +13,12 @@
 #include "core/env.h"
 #include "core/ring.h"
 #include "core/topology.h"
+#ifdef XIRANG_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/codec_cuda.h"
+#endif
 
 namespace py = pybind11;
 
@@ -53,6 +59,129 @@ py::dict recordToDict(const xirang::OpRecord& r) {
   return d;
 }
 
+// Test hooks of the codec (kernel bits against the CPU codec): 1-D contiguous tensors, fp32 as
+// float32 and bf16 as torch.bfloat16 (compare bits with .view(torch.int16)). CPU tensors run
+// core/codec, CUDA tensors the kernels of csrc/cuda on the current stream.
+void codecCheck(const at::Tensor& t, at::ScalarType dt, const char* what) {
+  TORCH_CHECK(t.defined() && t.dim() == 1 && t.is_contiguous() && t.scalar_type() == dt, "xirang codec hook: ", what,
+              " must be a 1-D contiguous ", dt, " tensor");
+}
+
+void codecDevices(std::initializer_list<const at::Tensor*> ts) {
+  const auto dev = (*ts.begin())->device();
+  for (auto* t : ts) {
+    TORCH_CHECK(t->device() == dev, "xirang codec hook: all tensors must be on one device");
+    TORCH_CHECK(t->numel() == (*ts.begin())->numel(), "xirang codec hook: all tensors must have the same numel");
+  }
+#ifndef XIRANG_WITH_CUDA
+  TORCH_CHECK(!dev.is_cuda(), "xirang codec hook: CUDA tensor, but the CUDA path is not built in this xirang");
+#endif
+}
+
+#ifdef XIRANG_WITH_CUDA
+void cudaOk(cudaError_t e) { TORCH_CHECK(e == cudaSuccess, "xirang codec kernel launch: ", cudaGetErrorString(e)); }
+#endif
+
+uint16_t* bf(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+// out = bf16(x)
+at::Tensor codecEncode(const at::Tensor& x) {
+  codecCheck(x, at::kFloat, "x");
+  codecDevices({&x});
+  at::Tensor out = at::empty_like(x, x.options().dtype(at::kBFloat16));
+#ifdef XIRANG_WITH_CUDA
+  if (x.is_cuda()) {
+    c10::cuda::CUDAGuard g(x.device());
+    cudaOk(xirang::cuda::encode(x.data_ptr<float>(), bf(out), x.numel(), c10::cuda::getCurrentCUDAStream()));
+    return out;
+  }
+#endif
+  xirang::codec::encode(x.data_ptr<float>(), bf(out), x.numel());
+  return out;
+}
+
+// out = f32(in)
+at::Tensor codecDecode(const at::Tensor& in) {
+  codecCheck(in, at::kBFloat16, "in");
+  codecDevices({&in});
+  at::Tensor out = at::empty_like(in, in.options().dtype(at::kFloat));
+#ifdef XIRANG_WITH_CUDA
+  if (in.is_cuda()) {
+    c10::cuda::CUDAGuard g(in.device());
+    cudaOk(xirang::cuda::decode(bf(in), out.data_ptr<float>(), in.numel(), c10::cuda::getCurrentCUDAStream()));
+    return out;
+  }
+#endif
+  xirang::codec::decode(bf(in), out.data_ptr<float>(), in.numel());
+  return out;
+}
+
+// acc += f32(in), in place
+void codecDecodeAccumulate(const at::Tensor& in, at::Tensor& acc) {
+  codecCheck(in, at::kBFloat16, "in");
+  codecCheck(acc, at::kFloat, "acc");
+  codecDevices({&in, &acc});
+#ifdef XIRANG_WITH_CUDA
+  if (in.is_cuda()) {
+    c10::cuda::CUDAGuard g(in.device());
+    cudaOk(xirang::cuda::decodeAccumulate(bf(in), acc.data_ptr<float>(), in.numel(), c10::cuda::getCurrentCUDAStream()));
+    return;
+  }
+#endif
+  xirang::codec::decodeAccumulate(bf(in), acc.data_ptr<float>(), in.numel());
+}
+
+// (out, r_out) of encodeEF; r_out and out are new tensors unless given (aliases allowed as in codec.h).
+std::pair<at::Tensor, at::Tensor> codecEncodeEF(const at::Tensor& x, double scale, const at::Tensor& r_in,
+                                                std::optional<at::Tensor> r_out_opt, std::optional<at::Tensor> out_opt) {
+  codecCheck(x, at::kFloat, "x");
+  codecCheck(r_in, at::kFloat, "r_in");
+  at::Tensor r_out = r_out_opt ? *r_out_opt : at::empty_like(x);
+  at::Tensor out = out_opt ? *out_opt : at::empty_like(x, x.options().dtype(at::kBFloat16));
+  codecCheck(r_out, at::kFloat, "r_out");
+  codecCheck(out, at::kBFloat16, "out");
+  codecDevices({&x, &r_in, &r_out, &out});
+  const float sc = static_cast<float>(scale);
+#ifdef XIRANG_WITH_CUDA
+  if (x.is_cuda()) {
+    c10::cuda::CUDAGuard g(x.device());
+    cudaOk(xirang::cuda::encodeEF(x.data_ptr<float>(), sc, r_in.data_ptr<float>(), r_out.data_ptr<float>(), bf(out),
+                                  x.numel(), c10::cuda::getCurrentCUDAStream()));
+    return {out, r_out};
+  }
+#endif
+  xirang::codec::encodeEF(x.data_ptr<float>(), sc, r_in.data_ptr<float>(), r_out.data_ptr<float>(), bf(out),
+                          x.numel());
+  return {out, r_out};
+}
+
+// (out, r_out) of accumulateEncodeEF.
+std::pair<at::Tensor, at::Tensor> codecAccumulateEncodeEF(const at::Tensor& in, const at::Tensor& x, double scale,
+                                                          const at::Tensor& r_in, std::optional<at::Tensor> r_out_opt,
+                                                          std::optional<at::Tensor> out_opt) {
+  codecCheck(in, at::kBFloat16, "in");
+  codecCheck(x, at::kFloat, "x");
+  codecCheck(r_in, at::kFloat, "r_in");
+  at::Tensor r_out = r_out_opt ? *r_out_opt : at::empty_like(x);
+  at::Tensor out = out_opt ? *out_opt : at::empty_like(in);
+  codecCheck(r_out, at::kFloat, "r_out");
+  codecCheck(out, at::kBFloat16, "out");
+  codecDevices({&in, &x, &r_in, &r_out, &out});
+  const float sc = static_cast<float>(scale);
+#ifdef XIRANG_WITH_CUDA
+  if (x.is_cuda()) {
+    c10::cuda::CUDAGuard g(x.device());
+    cudaOk(xirang::cuda::accumulateEncodeEF(bf(in), x.data_ptr<float>(), sc, r_in.data_ptr<float>(),
+                                            r_out.data_ptr<float>(), bf(out), x.numel(),
+                                            c10::cuda::getCurrentCUDAStream()));
+    return {out, r_out};
+  }
+#endif
+  xirang::codec::accumulateEncodeEF(bf(in), x.data_ptr<float>(), sc, r_in.data_ptr<float>(), r_out.data_ptr<float>(),
+                                    bf(out), x.numel());
+  return {out, r_out};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -67,7 +196,20 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("COMPILER") = std::string("unknown");
 #endif
+#ifdef XIRANG_WITH_CUDA
+  m.attr("CUDA_BUILT") = true;
+#else
   m.attr("CUDA_BUILT") = false;
+#endif
+
+  // Codec test hooks (tests/gpu/check_kernels.py): CPU tensors -> core/codec, CUDA -> kernels.
+  m.def("_codec_encode", &codecEncode, py::arg("x"));
+  m.def("_codec_decode", &codecDecode, py::arg("input"));
+  m.def("_codec_decode_accumulate", &codecDecodeAccumulate, py::arg("input"), py::arg("acc"));
+  m.def("_codec_encode_ef", &codecEncodeEF, py::arg("x"), py::arg("scale"), py::arg("r_in"),
+        py::arg("r_out") = py::none(), py::arg("out") = py::none());
+  m.def("_codec_accumulate_encode_ef", &codecAccumulateEncodeEF, py::arg("input"), py::arg("x"), py::arg("scale"),
+        py::arg("r_in"), py::arg("r_out") = py::none(), py::arg("out") = py::none());
 
   m.def("codec_path", [] { return std::string(xirang::codec::pathName(xirang::codec::activePath())); },
         "Name of the codec path in use: 'avx512bf16', 'avx2' or 'scalar' (XIRANG_CODEC overrides).");
@@ -115,10 +257,12 @@ PYBIND11_MODULE(_C, m) {
            "Create the backend of one group: store (c10d Store, prefixed per group by torch), group rank and\n"
            "size, timeout in seconds, ring order (group ranks; empty = rank order), host/rack label per rank.")
       .def("allreduce_ef", &xirang::ProcessGroupXirang::allreduceBF16EF, py::arg("buffer"), py::arg("residual"),
-           py::arg("staged_residual"), py::arg("group_id") = -1, py::arg("label") = "", py::call_guard<py::gil_scoped_release>(),
-           "BF16 error-feedback ring allreduce (average) of a 1-D float32 buffer, on the communication thread.\n"
+           py::arg("staged_residual"), py::arg("group_id") = -1, py::arg("label") = "",
+           py::arg("plain") = std::vector<at::Tensor>{}, py::call_guard<py::gil_scoped_release>(),
+           "One layer group's reduction, on the communication thread: BF16 error-feedback ring allreduce\n"
+           "(average) of a 1-D float32 buffer, then the average of each `plain` tensor in its own dtype.\n"
            "residual (float32, same numel) is read; the new residual is written to staged_residual.\n"
-           "Returns a Work; work.get_future().value() == [buffer] holds the average, bitwise equal on all ranks.")
+           "Returns a Work; its future's value is [buffer, *plain], bitwise equal on all ranks.")
       .def("records", [](xirang::ProcessGroupXirang& pg) {
         py::list out;
         for (const auto& r : pg.records()) out.append(recordToDict(r));

@@ -39,6 +39,8 @@ cmake --build build/core -j2 > build/core-build.log || { cat build/core-build.lo
 
 # --- Python, multi-process -------------------------------------------------------------------
 # From tests/python so the installed xirang is imported, not python/ of the work tree.
+# Headless Chromium for the report's browser test (tests/python/test_report.py skips without it).
+if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then apt-get install -y -qq chromium >&2 || echo "tests: chromium unavailable" >&2; fi
 "$PY" -m pytest tests/python -q -p no:cacheprovider "$@"
 
 echo "tests: all passed in $(( $(date +%s) - start )) s" >&2

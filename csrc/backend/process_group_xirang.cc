@@ -6,6 +6,7 @@
 #include <cstring>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "core/codec.h"
 #include "core/env.h"
@@ -138,9 +139,54 @@ void WorkXirang::complete(std::exception_ptr error) {
   if (error) {
     future_->setError(error);
   } else {
+#ifdef XIRANG_WITH_CUDA
+    if (cuda_stage_) {
+      cuda_stage_->completeFuture(future_, c10::IValue(outputs_));  // with the side stream current
+      return;
+    }
+#endif
     future_->markCompleted(c10::IValue(outputs_));
   }
 }
+
+#ifdef XIRANG_WITH_CUDA
+void WorkXirang::setCudaStage(std::shared_ptr<cudastage::Stage> stage) {
+  for (auto& o : outputs_) o = stage->userTensor(o);
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                     std::vector<c10::Device>{stage->device()});
+  cuda_stage_ = std::move(stage);
+}
+
+void WorkXirang::synchronize() {
+  if (cuda_stage_) cuda_stage_->block();
+}
+
+bool WorkXirang::isCompleted() { return c10d::Work::isCompleted() && (!cuda_stage_ || cuda_stage_->query()); }
+
+namespace {
+// The stage of the op the caller's thread is about to queue: set by a CUDA entry point around
+// its call of the same operation on the host mirrors, taken by enqueue().
+thread_local std::shared_ptr<cudastage::Stage> t_pending_stage;
+
+struct PendingStage {
+  explicit PendingStage(std::shared_ptr<cudastage::Stage> s) { t_pending_stage = std::move(s); }
+  ~PendingStage() { t_pending_stage.reset(); }
+  PendingStage(const PendingStage&) = delete;
+  PendingStage& operator=(const PendingStage&) = delete;
+};
+
+std::shared_ptr<cudastage::Stage> newStage(cudastage::Streams& streams) {
+  cudastage::checkTransport();
+  return std::make_shared<cudastage::Stage>(streams);
+}
+
+bool anyCuda(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts)
+    if (t.defined() && t.is_cuda()) return true;
+  return false;
+}
+}  // namespace
+#endif
 
 // ---------------------------------------------------------------- construction
 
@@ -247,6 +293,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::enqueue(c10d::OpType type, co
   checkPoisoned();
   auto work = c10::make_intrusive<WorkXirang>(rank_, type, title, std::move(outputs),
                                               std::optional<std::vector<at::Tensor>>(inputs));
+#ifdef XIRANG_WITH_CUDA
+  if (auto st = std::exchange(t_pending_stage, nullptr)) {
+    st->inputsReady();  // event on the caller's current stream
+    work->setCudaStage(st);
+    fn = [st, inner = std::move(fn)](OpCtx& ctx) {
+      st->copyIn();
+      inner(ctx);
+      st->copyOut();
+    };
+  }
+#endif
   Op op;
   op.work = work;
   op.fn = std::move(fn);
@@ -421,9 +478,17 @@ void checkTensors(int rank, const char* op, const std::vector<at::Tensor>& ts) {
   for (const auto& t : ts) {
     TORCH_CHECK(t.defined(), "xirang rank ", rank, ": ", op, ": undefined tensor");
     if (t.is_cuda()) {
+#ifndef XIRANG_WITH_CUDA
       TORCH_CHECK(false, "xirang rank ", rank, ": ", op,
                   ": got a CUDA tensor, but the CUDA path is not built in this xirang "
                   "(build_info()['cuda'] is None); use CPU tensors or 'cpu:xirang,cuda:nccl'");
+#else
+      TORCH_CHECK(false, "xirang rank ", rank, ": ", op,
+                  ": CUDA tensors are not supported by this operation yet (the host-staged CUDA path covers "
+                  "all_reduce, all_reduce_coalesced, broadcast, reduce, all_gather, all_gather_into_tensor, "
+                  "reduce_scatter_tensor, all_to_all_single, send, recv and allreduce_ef); use CPU tensors or "
+                  "'cpu:xirang,cuda:nccl'");
+#endif
     }
     TORCH_CHECK(t.device().is_cpu(), "xirang rank ", rank, ": ", op, ": tensors must be on the CPU, got ", t.device());
     TORCH_CHECK(t.layout() == at::kStrided, "xirang rank ", rank, ": ", op, ": sparse tensors are not supported");
@@ -452,16 +517,45 @@ int64_t timeoutMs(std::chrono::milliseconds t) { return t.count(); }
 // Runs the reduce `op` of the user's dtype on an fp32-or-native buffer, with AVG/PREMUL scaling.
 static void reduceAll(const Comm& comm, const OpCtx& ctx, at::Tensor& buf, ReduceOp op, double premul) {
   DType wire = wireDType(buf);
+  if (wire == DType::Float16 || wire == DType::BFloat16) {
+    // Rounded once either way. A forced ring / two-level algorithm, or a two-level plan (hosts
+    // matter), keeps the topology: fp32 partial sums on that algorithm (2x the bytes of 16-bit).
+    // Otherwise 16 bits on the wire with fp32 accumulation at each chunk's owner (allreduce16).
+    const bool keep_topology = comm.algo == Comm::Algo::Ring || comm.algo == Comm::Algo::TwoLevel ||
+                               !comm.local_group.empty();
+    if (keep_topology) {
+      at::Tensor wide = buf.to(at::kFloat);
+      reduceAll(comm, ctx, wide, op, premul);
+      buf.copy_(wide);
+      return;
+    }
+    ReduceOp wop = (op == ReduceOp::Avg || op == ReduceOp::PremulSum) ? ReduceOp::Sum : op;
+    float post = op == ReduceOp::Avg ? 1.0f / static_cast<float>(comm.size()) : 1.0f;
+    allreduce16(comm, ctx, static_cast<uint16_t*>(buf.data_ptr()), buf.numel(), wire, wop,
+                static_cast<float>(premul), post);
+    return;
+  }
+  // AVG divides before summing (like the compressed ring), so N values near the dtype's max
+  // average to a finite number instead of overflowing.
   if (op == ReduceOp::PremulSum) scale(buf.data_ptr(), buf.numel(), wire, premul);
+  if (op == ReduceOp::Avg) scale(buf.data_ptr(), buf.numel(), wire, 1.0 / comm.size());
   ReduceOp wop = (op == ReduceOp::Avg || op == ReduceOp::PremulSum) ? ReduceOp::Sum : op;
   allreduce(comm, ctx, buf.data_ptr(), buf.numel(), wire, wop);
-  if (op == ReduceOp::Avg) scale(buf.data_ptr(), buf.numel(), wire, 1.0 / comm.size());
 }
 
 // ---------------------------------------------------------------- collectives
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {
+#ifdef XIRANG_WITH_CUDA
+  if (anyCuda(tensors)) {
+    auto st = newStage(cuda_streams_);
+    std::vector<at::Tensor> host;
+    for (auto& t : tensors) host.push_back(st->add(t, true, true));
+    PendingStage pending(st);
+    return allreduce(host, opts);
+  }
+#endif
   TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": allreduce takes exactly one tensor per process, got ",
               tensors.size());
   checkTensors(rank_, "allreduce", tensors);
@@ -470,7 +564,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce(std::vector<at::Ten
   checkReduce(rank_, "allreduce", t.scalar_type(), op);
   double premul = op == ReduceOp::PremulSum ? premulFactor(opts.reduceOp) : 1.0;
   auto fn = [this, t, op, premul](OpCtx& ctx) {
-    Staged s = stage(t, true);
+    Staged s = stage(t, false);
     reduceAll(comm_, ctx, s.buf, op, premul);
     s.finish();
   };
@@ -480,6 +574,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce(std::vector<at::Ten
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                        const c10d::AllreduceCoalescedOptions& opts) {
+#ifdef XIRANG_WITH_CUDA
+  if (anyCuda(tensors)) {
+    auto st = newStage(cuda_streams_);
+    std::vector<at::Tensor> host;
+    for (auto& t : tensors) host.push_back(st->add(t, true, true));
+    PendingStage pending(st);
+    return allreduce_coalesced(host, opts);
+  }
+#endif
   TORCH_CHECK(!tensors.empty(), "xirang rank ", rank_, ": allreduce_coalesced: no tensors");
   checkTensors(rank_, "allreduce_coalesced", tensors);
   uint64_t total = 0;
@@ -493,7 +596,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce_coalesced(std::vect
   auto ts = tensors;
   auto fn = [this, ts, op, premul](OpCtx& ctx) {
     std::vector<at::Tensor> flat;
-    for (auto& t : ts) flat.push_back(is16BitFloat(t.scalar_type()) ? t.to(at::kFloat).reshape(-1) : t.reshape(-1));
+    for (auto& t : ts) flat.push_back(t.reshape(-1));
     at::Tensor buf = at::cat(flat);
     reduceAll(comm_, ctx, buf, op, premul);
     int64_t off = 0;
@@ -508,8 +611,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce_coalesced(std::vect
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor buffer, at::Tensor residual,
                                                                    at::Tensor staged, int64_t group_id,
-                                                                   std::string label) {
+                                                                   std::string label,
+                                                                   std::vector<at::Tensor> plain) {
+#ifdef XIRANG_WITH_CUDA
+  std::vector<at::Tensor> all_in{buffer, residual, staged};
+  all_in.insert(all_in.end(), plain.begin(), plain.end());
+  if (anyCuda(all_in)) {
+    TORCH_CHECK(!(staged.defined() && residual.defined() && staged.is_alias_of(residual)), "xirang rank ", rank_,
+                ": allreduce_bf16_ef: staged must not share storage with residual");
+    auto st = newStage(cuda_streams_);
+    at::Tensor b = st->add(buffer, true, true), r = st->add(residual, true, false), sd = st->add(staged, false, true);
+    std::vector<at::Tensor> pl;
+    for (const auto& t : plain) pl.push_back(st->add(t, true, true));
+    PendingStage pending(st);
+    return allreduceBF16EF(b, r, sd, group_id, std::move(label), std::move(pl));
+  }
+#endif
   checkTensors(rank_, "allreduce_bf16_ef", {buffer, residual, staged});
+  checkTensors(rank_, "allreduce_bf16_ef", plain);
+  for (const auto& t : plain)
+    TORCH_CHECK(t.is_floating_point(), "xirang rank ", rank_, ": allreduce_bf16_ef: plain tensors must be floating, got ",
+                t.scalar_type());
   for (const auto* t : {&buffer, &residual, &staged}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->is_contiguous(), "xirang rank ", rank_,
                 ": allreduce_bf16_ef: buffer, residual and staged must be 1-D contiguous float32, got ",
@@ -520,17 +642,37 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor bu
               ") must have the buffer's ", buffer.numel(), " elements");
   TORCH_CHECK(!staged.is_alias_of(residual), "xirang rank ", rank_,
               ": allreduce_bf16_ef: staged must not share storage with residual");
-  auto fn = [this, buffer, residual, staged](OpCtx& ctx) {
+  auto fn = [this, buffer, residual, staged, plain](OpCtx& ctx) {
     xirang::allreduceBF16EF(comm_, ctx, buffer.data_ptr<float>(), residual.data_ptr<float>(), staged.data_ptr<float>(),
                     buffer.numel());
+    // The group's other tensors (biases, norms, 16-bit or fp64 gradients): averaged in their own
+    // dtype within the same operation, so a layer group costs one launch.
+    for (const auto& t : plain) {
+      Staged st = stage(t, false);
+      reduceAll(comm_, ctx, st.buf, ReduceOp::Avg, 1.0);
+      st.finish();
+    }
   };
-  return enqueue(c10d::OpType::ALLREDUCE, groupTitle(group_id), OpKind::AllreduceEF, {buffer}, {buffer},
-                 DType::Float32, ReduceOp::Avg, static_cast<uint64_t>(buffer.numel()), c10d::kUnsetTimeout, fn,
-                 group_id, std::move(label));
+  uint64_t numel = static_cast<uint64_t>(buffer.numel());
+  for (const auto& t : plain) numel += static_cast<uint64_t>(t.numel());
+  std::vector<at::Tensor> outs{buffer};
+  outs.insert(outs.end(), plain.begin(), plain.end());
+  return enqueue(c10d::OpType::ALLREDUCE, groupTitle(group_id), OpKind::AllreduceEF, outs, outs, DType::Float32,
+                 ReduceOp::Avg, numel, c10d::kUnsetTimeout, fn, group_id, std::move(label));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Tensor>& tensors,
                                                              const c10d::BroadcastOptions& opts) {
+#ifdef XIRANG_WITH_CUDA
+  if (anyCuda(tensors)) {
+    auto st = newStage(cuda_streams_);
+    const bool root = opts.rootRank == rank_;
+    std::vector<at::Tensor> host;
+    for (auto& t : tensors) host.push_back(st->add(t, /*copy_in=*/root, /*copy_out=*/!root));
+    PendingStage pending(st);
+    return broadcast(host, opts);
+  }
+#endif
   TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": broadcast takes exactly one tensor per process, got ",
               tensors.size());
   checkTensors(rank_, "broadcast", tensors);
@@ -549,6 +691,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Ten
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::ReduceOptions& opts) {
+#ifdef XIRANG_WITH_CUDA
+  if (anyCuda(tensors)) {
+    auto st = newStage(cuda_streams_);
+    std::vector<at::Tensor> host;
+    for (auto& t : tensors) host.push_back(st->add(t, true, /*copy_out=*/opts.rootRank == rank_));
+    PendingStage pending(st);
+    return reduce(host, opts);
+  }
+#endif
   TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": reduce takes exactly one tensor per process");
   checkTensors(rank_, "reduce", tensors);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "xirang rank ", rank_, ": reduce: invalid root ",
@@ -560,7 +711,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce(std::vector<at::Tensor
   int root = static_cast<int>(opts.rootRank);
   auto fn = [this, t, op, premul, root](OpCtx& ctx) {
     // Reduce = allreduce into a private buffer; only the root writes the result.
-    at::Tensor buf = is16BitFloat(t.scalar_type()) ? t.to(at::kFloat) : t.clone(at::MemoryFormat::Contiguous);
+    at::Tensor buf = t.clone(at::MemoryFormat::Contiguous);
     reduceAll(comm_, ctx, buf, op, premul);
     if (rank_ == root) t.copy_(buf);
   };
@@ -570,6 +721,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                    const c10d::AllgatherOptions& opts) {
+#ifdef XIRANG_WITH_CUDA
+  if (anyCuda({output, input})) {
+    auto st = newStage(cuda_streams_);
+    at::Tensor o = st->add(output, false, true), i = st->add(input, true, false);
+    PendingStage pending(st);
+    return _allgather_base(o, i, opts);
+  }
+#endif
   checkTensors(rank_, "allgather_into_tensor", {output, input});
   checkSameType(rank_, "allgather_into_tensor", output, input);
   TORCH_CHECK(output.numel() == input.numel() * size_, "xirang rank ", rank_,
@@ -592,6 +751,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_allgather_base(at::Tensor& o
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                              std::vector<at::Tensor>& inputs,
                                                              const c10d::AllgatherOptions& opts) {
+#ifdef XIRANG_WITH_CUDA
+  if (anyCuda(inputs) || (!outputs.empty() && anyCuda(outputs[0]))) {
+    auto st = newStage(cuda_streams_);
+    std::vector<std::vector<at::Tensor>> o(outputs.size());
+    std::vector<at::Tensor> i;
+    for (size_t k = 0; k < outputs.size(); ++k)
+      for (auto& t : outputs[k]) o[k].push_back(st->add(t, false, true));
+    for (auto& t : inputs) i.push_back(st->add(t, true, false));
+    PendingStage pending(st);
+    return allgather(o, i, opts);
+  }
+#endif
   TORCH_CHECK(inputs.size() == 1 && outputs.size() == 1, "xirang rank ", rank_,
               ": allgather takes one input tensor and one output list per process");
   TORCH_CHECK(static_cast<int>(outputs[0].size()) == size_, "xirang rank ", rank_, ": allgather: output list has ",
@@ -647,6 +818,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_into_tensor_coalesc
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
+#ifdef XIRANG_WITH_CUDA
+  if (anyCuda({output, input})) {
+    auto st = newStage(cuda_streams_);
+    at::Tensor o = st->add(output, false, true), i = st->add(input, true, false);
+    PendingStage pending(st);
+    return _reduce_scatter_base(o, i, opts);
+  }
+#endif
   checkTensors(rank_, "reduce_scatter_tensor", {output, input});
   checkSameType(rank_, "reduce_scatter_tensor", output, input);
   TORCH_CHECK(input.numel() == output.numel() * size_, "xirang rank ", rank_, ": reduce_scatter_tensor: input has ",
@@ -659,13 +838,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_reduce_scatter_base(at::Tens
                                                        : input.reshape(-1).clone(at::MemoryFormat::Contiguous);
     DType wire = wireDType(buf);
     if (op == ReduceOp::PremulSum) scale(buf.data_ptr(), buf.numel(), wire, premul);
+    if (op == ReduceOp::Avg) scale(buf.data_ptr(), buf.numel(), wire, 1.0 / size_);  // before: no overflow
     uint64_t b = static_cast<uint64_t>(output.numel()) * buf.element_size();
     std::vector<RecvSeg> blocks;
     for (int r = 0; r < size_; ++r) blocks.push_back(RecvSeg{static_cast<uint8_t*>(buf.data_ptr()) + b * r, b});
     ReduceOp wop = (op == ReduceOp::Avg || op == ReduceOp::PremulSum) ? ReduceOp::Sum : op;
     xirang::reduceScatter(comm_, ctx, blocks, wire, wop);
     at::Tensor mine = buf.narrow(0, output.numel() * rank_, output.numel());
-    if (op == ReduceOp::Avg) scale(mine.data_ptr(), mine.numel(), wire, 1.0 / size_);
     output.copy_(mine.view(output.sizes()));
   };
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "xirang:reduce_scatter_tensor", OpKind::ReduceScatter, {output},
@@ -708,6 +887,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall_base(at::Tensor& out
                                                                  std::vector<int64_t>& outputSplits,
                                                                  std::vector<int64_t>& inputSplits,
                                                                  const c10d::AllToAllOptions& opts) {
+#ifdef XIRANG_WITH_CUDA
+  if (anyCuda({output, input})) {
+    auto st = newStage(cuda_streams_);
+    at::Tensor o = st->add(output, false, true), i = st->add(input, true, false);
+    PendingStage pending(st);
+    return alltoall_base(o, i, outputSplits, inputSplits, opts);
+  }
+#endif
   checkTensors(rank_, "alltoall_base", {output, input});
   checkSameType(rank_, "alltoall_base", output, input);
   auto splitsOf = [&](const at::Tensor& t, const std::vector<int64_t>& sp, const char* which) {
@@ -914,6 +1101,15 @@ static void runP2P(const Comm& comm, const OpCtx& ctx, std::vector<P2P>& ops) {
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+#ifdef XIRANG_WITH_CUDA
+  if (anyCuda(tensors)) {
+    auto st = newStage(cuda_streams_);
+    std::vector<at::Tensor> host;
+    for (auto& t : tensors) host.push_back(st->add(t, true, false));
+    PendingStage pending(st);
+    return send(host, dstRank, tag);
+  }
+#endif
   TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": send takes exactly one tensor");
   checkTensors(rank_, "send", tensors);
   TORCH_CHECK(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "xirang rank ", rank_, ": send: invalid peer ",
@@ -926,6 +1122,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::send(std::vector<at::Tensor>&
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+#ifdef XIRANG_WITH_CUDA
+  if (anyCuda(tensors)) {
+    auto st = newStage(cuda_streams_);
+    std::vector<at::Tensor> host;
+    for (auto& t : tensors) host.push_back(st->add(t, false, true));
+    PendingStage pending(st);
+    return recv(host, srcRank, tag);
+  }
+#endif
   TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": recv takes exactly one tensor");
   checkTensors(rank_, "recv", tensors);
   TORCH_CHECK(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "xirang rank ", rank_, ": recv: invalid peer ",

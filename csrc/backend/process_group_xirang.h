@@ -29,6 +29,9 @@
 
 #include "core/collectives.h"
 #include "core/transport/tcp.h"
+#ifdef XIRANG_WITH_CUDA
+#include "cuda/cuda_stage.h"
+#endif
 
 namespace xirang {
 
@@ -77,12 +80,23 @@ class WorkXirang : public c10d::Work {
   int sourceRank() const override { return source_rank_; }
   // Called once by the communication thread.
   void complete(std::exception_ptr error);
+#ifdef XIRANG_WITH_CUDA
+  // A host-staged op on CUDA tensors (caller's thread, before the op is queued): the outputs
+  // become the user's CUDA tensors and the Future is made with their device.
+  void setCudaStage(std::shared_ptr<cudastage::Stage> stage);
+  // wait() calls this after completion: the caller's current stream waits for the copies back.
+  void synchronize() override;
+  bool isCompleted() override;
+#endif
 
   int source_rank_ = -1;
 
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+#ifdef XIRANG_WITH_CUDA
+  std::shared_ptr<cudastage::Stage> cuda_stage_;
+#endif
 };
 
 class ProcessGroupXirang : public c10d::Backend {
@@ -140,12 +154,14 @@ class ProcessGroupXirang : public c10d::Backend {
   void shutdown() override;
   void setTimeout(std::chrono::milliseconds timeout) override { cfg_.timeout = timeout; }
 
-  // The hook's operation: BF16 error-feedback ring allreduce (average) of a flat fp32 buffer.
+  // The hook's operation for one layer group: BF16 error-feedback ring allreduce (average) of a
+  // flat fp32 buffer, then a plain average of each `plain` tensor in its own dtype, as one op.
   // buffer, residual, staged: 1-D contiguous float32 CPU tensors of equal numel; residual is
   // read, the new residual is written to staged (must not share storage with residual).
-  // Future value: [buffer]. Errors: c10::Error (ValueError-like) for bad arguments.
+  // Future value: [buffer, *plain]. Errors: c10::Error for bad arguments.
   c10::intrusive_ptr<c10d::Work> allreduceBF16EF(at::Tensor buffer, at::Tensor residual, at::Tensor staged,
-                                                 int64_t group_id, std::string label = "");
+                                                 int64_t group_id, std::string label = "",
+                                                 std::vector<at::Tensor> plain = {});
 
   // This rank's operation records (bounded ring buffer, oldest first) and clearing them.
   std::vector<OpRecord> records();
@@ -197,6 +213,11 @@ class ProcessGroupXirang : public c10d::Backend {
 
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
+
+#ifdef XIRANG_WITH_CUDA
+  // Side streams for host-staged CUDA ops (made on the first CUDA tensor; no CUDA call before).
+  cudastage::Streams cuda_streams_;
+#endif
 };
 
 }  // namespace xirang

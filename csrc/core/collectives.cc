@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
@@ -208,6 +209,68 @@ void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DT
     twoLevelAllreduce(comm, ctx, data, numel, wire, op);
   } else {
     ringAllreduce(comm, ctx, data, numel, wire, op);
+  }
+}
+
+void allreduce16(const Comm& comm, const OpCtx& ctx, uint16_t* data, int64_t numel, DType t, ReduceOp op,
+                 float pre_scale, float post_scale) {
+  if (t != DType::Float16 && t != DType::BFloat16)
+    throw std::invalid_argument(std::string("xirang: allreduce16 takes float16 or bfloat16, not ") + dtypeName(t));
+  const bool half = t == DType::Float16;
+  auto toF = [half](uint16_t v) { return half ? halfToFloat(v) : codec::bf16ToF32(v); };
+  auto fromF = [half](float v) { return half ? floatToHalf(v) : codec::f32ToBf16(v); };
+  auto combine = [op](float a, float b) {
+    switch (op) {
+      case ReduceOp::Sum: return a + b;
+      case ReduceOp::Product: return a * b;
+      case ReduceOp::Min: return (std::isnan(a) || std::isnan(b)) ? a + b : (b < a ? b : a);
+      case ReduceOp::Max: return (std::isnan(a) || std::isnan(b)) ? a + b : (b > a ? b : a);
+      default: throw std::invalid_argument(std::string("xirang: allreduce16: ") + reduceOpName(op));
+    }
+  };
+  const int n = comm.size();
+  if (n <= 1) {
+    if (pre_scale != 1.0f || post_scale != 1.0f)
+      for (int64_t i = 0; i < numel; ++i) data[i] = fromF((toF(data[i]) * pre_scale) * post_scale);
+    return;
+  }
+  const int pos = comm.position();
+  auto chunks = ring::partition(numel, n);
+  const auto& mine = chunks[pos];
+  std::vector<int> order = comm.ring;
+  std::sort(order.begin(), order.end());
+  // Slot k: the contribution of the k-th member in rank order to this rank's chunk.
+  uint16_t* slots = reinterpret_cast<uint16_t*>(comm.scratch->get(2, static_cast<size_t>(mine.count) * 2 * n));
+  auto slotOf = [&](int r) {
+    return slots + mine.count * (std::lower_bound(order.begin(), order.end(), r) - order.begin());
+  };
+  if (mine.count) std::memcpy(slotOf(comm.rank), data + mine.offset, static_cast<size_t>(mine.count) * 2);
+  const uint64_t seg = segBytesFor(comm, 2);
+  std::vector<SendJob> sends;
+  std::vector<RecvJob> recvs;
+  for (int q = 0; q < n; ++q) {
+    int r = comm.ring[q];
+    if (r == comm.rank) continue;
+    sends.push_back(SendJob{r, headerFor(ctx, 1), segmentsOf<SendSeg, const void*>(data + chunks[q].offset, chunks[q].count * 2, seg)});
+    recvs.push_back(RecvJob{r, headerFor(ctx, 1), segmentsOf<RecvSeg, void*>(slotOf(r), mine.count * 2, seg), nullptr});
+  }
+  auto t0 = Clock::now();
+  runExchange(comm, ctx, sends, recvs);
+  auto t1 = Clock::now();
+  for (int64_t i = 0; i < mine.count; ++i) {
+    float acc = toF(slots[i]) * pre_scale;
+    for (int k = 1; k < n; ++k) acc = combine(acc, toF(slots[mine.count * k + i]) * pre_scale);
+    data[mine.offset + i] = fromF(acc * post_scale);
+  }
+  std::vector<RecvSeg> blocks(static_cast<size_t>(*std::max_element(order.begin(), order.end())) + 1, RecvSeg{nullptr, 0});
+  for (int c = 0; c < n; ++c)
+    blocks[comm.ring[c]] = RecvSeg{data + chunks[c].offset, static_cast<uint64_t>(chunks[c].count) * 2};
+  auto t2 = Clock::now();
+  allgather(comm, ctx, blocks);
+  if (ctx.phases) {
+    ctx.phases->scatter_reduce_s += std::chrono::duration<double>(t1 - t0).count();
+    ctx.phases->encode_s += std::chrono::duration<double>(t2 - t1).count();
+    ctx.phases->algorithm = "direct_rs_fp32+ring_ag";
   }
 }
 

@@ -90,6 +90,15 @@ void runExchange(const Comm& comm, const OpCtx& ctx, std::vector<transport::Send
 // rank order); larger ones the segmented ring. Results are bitwise identical on all ranks.
 void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);
 
+// Allreduce of a 16-bit float buffer (t = Float16 or BFloat16) that rounds once: each rank sends
+// chunk c straight to its owner ring[c], the owner combines all N contributions in fp32 in rank
+// order (each first multiplied by pre_scale, the result by post_scale: PREMUL_SUM's factor and
+// AVG's 1/N), rounds to 16 bits once, and a ring allgather of the 16-bit chunks follows. Bytes
+// per rank: 2(N-1)/N x 2 x numel, like a 16-bit ring; results bitwise equal on all ranks.
+// `op`: Sum, Product, Min or Max.
+void allreduce16(const Comm& comm, const OpCtx& ctx, uint16_t* data, int64_t numel, DType t, ReduceOp op,
+                 float pre_scale, float post_scale);
+
 // BF16 error-feedback ring allreduce of fp32 `x` (n elements), averaged (scale = 1/N applied
 // before the first encode). Reads residual `r_in`, writes the new residual to `r_out` (may not
 // alias r_in's storage owner's pending use; may alias r_in). On return x holds the decoded bf16

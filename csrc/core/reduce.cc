@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <complex>
+#include <cstring>
 #include <stdexcept>
 #include <type_traits>
 
@@ -204,6 +205,44 @@ void reduceInto(void* dst, const void* src, int64_t n, DType t, ReduceOp op) {
       throw std::invalid_argument(std::string("xirang: reduceInto does not take ") + dtypeName(t) +
                                   " (16-bit floats are widened to float32 first)");
   }
+}
+
+namespace {
+inline float bitsToFloat(uint32_t w) {
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+inline uint32_t floatToBits(float f) {
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  return w;
+}
+}  // namespace
+
+float halfToFloat(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = bitsToFloat((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = bitsToFloat((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t result = sign | (two_w < (1u << 27) ? floatToBits(denormalized) : floatToBits(normalized));
+  return bitsToFloat(result);
+}
+
+uint16_t floatToHalf(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = floatToBits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bitsToFloat((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = floatToBits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
 void scale(void* x, int64_t n, DType t, double factor) {

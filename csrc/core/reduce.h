@@ -24,4 +24,9 @@ void reduceInto(void* dst, const void* src, int64_t n, DType t, ReduceOp op);
 // x[i] *= factor for a floating or complex buffer (AVG's 1/N, PREMUL_SUM's factor).
 void scale(void* x, int64_t n, DType t, double factor);
 
+// IEEE binary16 <-> binary32, round to nearest even, bit-exact with torch's c10::Half (the
+// FP16 library's fp16_ieee_from_fp32_value / fp16_ieee_to_fp32_value).
+float halfToFloat(uint16_t h);
+uint16_t floatToHalf(float f);
+
 }  // namespace xirang

@@ -51,14 +51,28 @@ def env_knobs() -> list:
     return [tuple(k) for k in load_C().env_knobs()]
 
 
-def stats(process_group=None) -> list:
+def stats(process_group=None, gather: bool = False):
     """This rank's operation records on `process_group` (default group), oldest first.
 
-    Each record is a dict: seq, op, algorithm, group_id, dtype, numel, bytes_raw, bytes_wire
-    (payload bytes this rank sent; headers excluded), t_enqueue, queued_s, encode_s,
-    scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok.
+    Each record is a dict: seq, op, algorithm, group_id (the hook's layer group, -1 otherwise),
+    label (the group's layer names), dtype, numel, bytes_raw, bytes_wire (payload bytes this rank
+    sent; headers excluded), bytes_cross_host, bytes_cross_rack, t_enqueue, queued_s, encode_s,
+    scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok, peers.
+
+    gather=True: a collective over `process_group` (every rank must call it); group rank 0 gets a
+    list indexed by group rank of each rank's records (taken before the gather, so the gather's
+    own operations are not in them), the other ranks get None.
     """
-    return list(_backend_for(process_group).records())
+    recs = list(_backend_for(process_group).records())
+    if not gather:
+        return recs
+    import torch.distributed as dist
+
+    rank = dist.get_rank(process_group)
+    out = [None] * dist.get_world_size(process_group) if rank == 0 else None
+    dst = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+    dist.gather_object(recs, out, dst=dst, group=process_group)
+    return out
 
 
 try:  # the hook is pure Python over the backend; keep import of the package cheap if absent

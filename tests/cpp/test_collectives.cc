@@ -710,3 +710,61 @@ TEST_CASE("collectives: ring order {2,0,3,1} gives the identity ring's results",
     CHECK(res[0][r] == res[0][0]);
   }
 }
+
+// 16-bit floats: the owner accumulates in fp32 in rank order and rounds once. Reference: the
+// same fp32 arithmetic in one process, then one rounding.
+TEST_CASE("collectives: allreduce16 rounds the fp32 result once (float16, bfloat16)", "[collectives][half]") {
+  const int n = GENERATE(1, 2, 3, 4);
+  const bool permuted = GENERATE(false, true);
+  const DType dt = GENERATE(DType::Float16, DType::BFloat16);
+  if (permuted && n < 2) return;
+  const bool half = dt == DType::Float16;
+  auto toF = [&](uint16_t v) { return half ? xirang::halfToFloat(v) : xirang::codec::bf16ToF32(v); };
+  auto fromF = [&](float v) { return half ? xirang::floatToHalf(v) : xirang::codec::f32ToBf16(v); };
+  auto in = [&](int r, int64_t i) { return fromF(static_cast<float>((unit(mix(r, i, 16, 0)) - 0.5) * 8.0)); };
+  struct Case {
+    ReduceOp op;
+    float pre, post;
+  };
+  const std::vector<Case> cases = {{ReduceOp::Sum, 1.0f, 1.0f},
+                                   {ReduceOp::Sum, 1.0f, 1.0f / static_cast<float>(n)},  // AVG
+                                   {ReduceOp::Sum, 0.5f, 1.0f},                          // PREMUL_SUM
+                                   {ReduceOp::Max, 1.0f, 1.0f},
+                                   {ReduceOp::Min, 1.0f, 1.0f},
+                                   {ReduceOp::Product, 1.0f, 1.0f}};
+  Group g(n);
+  std::vector<Log> logs(n);
+  g.run([&](int r) {
+    uint64_t seq = 0;
+    for (const Case& c : cases) {
+      for (const Size& sz : kSizes) {
+        Comm comm = g.comm(r, ringFor(n, permuted));
+        comm.segment_bytes = sz.segment_bytes;
+        std::vector<uint16_t> buf(static_cast<size_t>(sz.count));
+        for (int64_t i = 0; i < sz.count; ++i) buf[i] = in(r, i);
+        auto ctx = ctxFor(tp::OpKind::Allreduce, dt, c.op, sz.count, ++seq);
+        xirang::allreduce16(comm, ctx, buf.data(), sz.count, dt, c.op, c.pre, c.post);
+        for (int64_t i = 0; i < sz.count; ++i) {
+          float acc = toF(in(0, i)) * c.pre;
+          for (int k = 1; k < n; ++k) {
+            float v = toF(in(k, i)) * c.pre;
+            switch (c.op) {
+              case ReduceOp::Sum: acc = acc + v; break;
+              case ReduceOp::Product: acc = acc * v; break;
+              case ReduceOp::Max: acc = v > acc ? v : acc; break;
+              default: acc = v < acc ? v : acc; break;
+            }
+          }
+          uint16_t want = fromF(acc * c.post);
+          if (buf[i] != want) {
+            logs[r].error(std::string(xirang::reduceOpName(c.op)) + " x" + std::to_string(sz.count) + " i" +
+                          std::to_string(i) + ": got " + std::to_string(buf[i]) + " want " + std::to_string(want));
+            break;
+          }
+        }
+        logs[r].hashes.push_back(fnv1a(buf.data(), buf.size() * 2));
+      }
+    }
+  });
+  expectClean(logs);
+}

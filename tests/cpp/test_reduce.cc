@@ -294,3 +294,39 @@ TEST_CASE("reduce: scale() and dtype metadata", "[reduce]") {
   CHECK(xirang::isIntegral(DType::UInt8));
   CHECK_FALSE(xirang::isIntegral(DType::Bool));
 }
+
+// binary16 conversions against the compiler's _Float16 (IEEE round to nearest even).
+TEST_CASE("reduce: halfToFloat / floatToHalf are bit-exact IEEE binary16", "[reduce][half]") {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    _Float16 ref;
+    uint16_t hb = static_cast<uint16_t>(h);
+    std::memcpy(&ref, &hb, 2);
+    float got = xirang::halfToFloat(hb);
+    float want = static_cast<float>(ref);
+    if (std::isnan(want)) {
+      REQUIRE(std::isnan(got));
+      continue;
+    }
+    uint32_t a, b;
+    std::memcpy(&a, &got, 4);
+    std::memcpy(&b, &want, 4);
+    REQUIRE(a == b);
+    REQUIRE(xirang::floatToHalf(got) == hb);  // exact round trip
+  }
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t w = bits(rng);
+    float f;
+    std::memcpy(&f, &w, 4);
+    if (std::isnan(f)) continue;
+    _Float16 ref = static_cast<_Float16>(f);
+    uint16_t want;
+    std::memcpy(&want, &ref, 2);
+    REQUIRE(xirang::floatToHalf(f) == want);
+  }
+  CHECK(xirang::floatToHalf(1.0f) == 0x3C00);
+  CHECK(xirang::floatToHalf(65504.0f) == 0x7BFF);
+  CHECK(xirang::floatToHalf(65520.0f) == 0x7C00);  // the tie above max rounds to inf
+  CHECK(xirang::floatToHalf(-0.0f) == 0x8000);
+}

@@ -1,0 +1,62 @@
+"""Shared by the benchmarks: start one process per rank and collect what they report.
+
+A worker is `worker(rank, ws, port, cfg, q)`; it puts `(kind, value)` tuples on `q`: `("done",
+rank)` when finished, `("error", text)` on failure, anything else is handed to `on_message`.
+Everything is bounded by `cfg["timeout"]` seconds; ranks left running are killed.
+"""
+from __future__ import annotations
+
+import queue as _queue
+import socket
+import time
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(worker, ws: int, cfg: dict, on_message) -> None:
+    """Run `worker` on `ws` spawned ranks; raise RuntimeError with the first rank's error."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, ws, port, cfg, q), daemon=True) for r in range(ws)]
+    for p in procs:
+        p.start()
+    done, err = 0, None
+    deadline = time.monotonic() + cfg["timeout"]
+    while done < ws and err is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            err = f"WS={ws}: timed out after {cfg['timeout']} s"
+            break
+        try:
+            kind, val = q.get(timeout=min(left, 1.0))
+        except _queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if not dead:
+                continue
+            try:  # give the error message a moment to arrive
+                kind, val = q.get(timeout=2.0)
+            except _queue.Empty:
+                err = f"WS={ws}: rank(s) exited with {[p.exitcode for p in dead]}"
+                break
+        if kind == "done":
+            done += 1
+        elif kind == "error":
+            err = val
+        else:
+            on_message(kind, val)
+    for p in procs:
+        p.join(timeout=10 if err is None else 2)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if err:
+        raise RuntimeError(err)

@@ -1,0 +1,363 @@
+#!/usr/bin/env python3
+"""Topology benchmark on the emulated cluster (tests/cluster/netns.py): rank-order ring vs
+topology ring vs two-level vs gloo, allreduce 1-64 MiB and a DDP step, side by side in one run.
+
+    sudo python3 benchmarks/topology.py                      # 2 racks x 2 hosts x 2 ranks, 200mbit uplinks
+    sudo python3 benchmarks/topology.py --ranks-per-host 1 --sizes 1M,4M --markdown --json /tmp/t.json
+
+Set-up (defaults): 2 racks x 2 hosts (network namespaces) x 2 ranks; each rack is a bridge,
+its uplink to the core bridge a veth pair shaped with tc tbf at --rate in both directions (plus
+netem --delay where the kernel has sch_netem; the header says whether latency is emulated);
+intra-rack traffic is unlimited. Ranks are placed round-robin across racks (rank r on rack r % 2,
+host (r // 2) % 2), the placement a launcher ignorant of the topology may produce; rendezvous
+on a TCPStore in the root namespace at the core bridge's address.
+
+In every rank, one process holds four groups over the same ranks:
+  rank-ring   xirang, Options(algorithm="ring", ring_order="rank")  (= XIRANG_RING_ORDER=rank XIRANG_ALGO=ring)
+  topo-ring   xirang, Options(algorithm="ring")                     (= XIRANG_ALGO=ring)
+  two-level   xirang, Options(algorithm="two_level")                (= XIRANG_ALGO=two_level)
+  gloo        the default group (GLOO_SOCKET_IFNAME=xeth0)
+Allreduce: float32 SUM of integer-valued inputs (every result is checked exactly); --warmup
+untimed ops per method at the smallest size, then per size repetitions in which the methods take
+turns (order rotates); a repetition is one op after a gloo barrier, its time the slowest rank's. DDP: an MLP (--layers x Linear(--width, --width)), batch --batch; one step is
+forward + backward (+ the comm hook) + SGD step, timed like an allreduce repetition. xirang methods
+use `xirang.register_comm_hook(ddp_model)` (BF16 on the wire, error feedback); gloo runs DDP's
+default fp32 allreduce and, as "gloo+fp16", torch's fp16_compress_hook (the same wire bytes as
+xirang's hook). "compute" is the same step without DDP (no communication).
+Cross-rack MB: bytes_cross_rack of the op's xirang.stats() record, summed over ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "cluster"))
+
+KiB, MiB = 1024, 1024 * 1024
+METHODS = ("rank-ring", "topo-ring", "two-level", "gloo")
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper().removesuffix("B").removesuffix("I")
+    for suf, m in (("K", KiB), ("M", MiB), ("G", 1024 * MiB)):
+        if s.endswith(suf):
+            return int(float(s[:-1]) * m)
+    return int(s)
+
+
+def fmt_size(n: int) -> str:
+    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n // KiB} KiB"
+
+
+# ======================================================================== worker (one rank)
+def worker() -> int:
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    import xirang
+
+    cfg = json.loads(os.environ["XIRANG_BENCH_CFG"])
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=cfg["op_timeout"])
+    dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    groups = {
+        "rank-ring": dist.new_group(backend="xirang", pg_options=xirang.Options(algorithm="ring", ring_order="rank")),
+        "topo-ring": dist.new_group(backend="xirang", pg_options=xirang.Options(algorithm="ring")),
+        "two-level": dist.new_group(backend="xirang", pg_options=xirang.Options(algorithm="two_level")),
+        "gloo": dist.group.WORLD,
+    }
+    info = {"rings": {m: list(xirang._backend_for(groups[m]).ring) for m in METHODS if m != "gloo"}}
+
+    def slowest(dt: float) -> float:
+        t = torch.tensor([dt], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def total(v: float) -> float:
+        t = torch.tensor([v], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t)
+
+    # ---- raw TCP between namespaces: rank 0 -> the first rank on another rack / same rack
+    store = dist.distributed_c10d._get_default_store()
+    my_ip = cfg["ips"][rank]
+    link = {}
+    for name, dst in (("cross-rack", cfg["probe_cross"]), ("intra-rack", cfg["probe_intra"])):
+        if dst is None:
+            continue
+        nbytes = cfg["probe_bytes"]
+        if rank == dst:
+            srv = socket.socket()
+            srv.bind((my_ip, 0))
+            srv.listen(1)
+            store.set(f"probe/{name}", str(srv.getsockname()[1]))
+            c, _ = srv.accept()
+            got = 0
+            while got < nbytes:
+                b = c.recv(1 << 20)
+                if not b:
+                    break
+                got += len(b)
+            c.sendall(b"k")
+            c.close()
+            srv.close()
+        elif rank == 0:
+            port = int(store.get(f"probe/{name}"))
+            s = socket.create_connection((cfg["ips"][dst], port))
+            buf = b"\0" * (1 << 20)
+            t0 = time.perf_counter()
+            sent = 0
+            while sent < nbytes:
+                s.sendall(buf)
+                sent += len(buf)
+            s.recv(1)
+            link[name] = nbytes * 8 / (time.perf_counter() - t0) / 1e6
+            s.close()
+        dist.barrier()
+    info["link_mbit"] = link
+
+    # ---- allreduce
+    rows = []
+    for size in cfg["sizes"]:
+        numel = size // 4
+        base = ((torch.arange(numel, dtype=torch.int64) * (rank + 1)) % 61).to(torch.float32)
+        ref = sum(((torch.arange(numel, dtype=torch.int64) * (r + 1)) % 61) for r in range(ws)).to(torch.float32)
+        if size == cfg["sizes"][0]:  # warm-up (connections, buffers): smallest size only
+            for m in METHODS:
+                for _ in range(cfg["warmup"]):
+                    dist.all_reduce(base.clone(), group=groups[m])
+        reps = cfg["reps"].get(str(size), 1)
+        times = {m: [] for m in METHODS}
+        cross = {m: [] for m in METHODS}
+        for i in range(reps):
+            order = METHODS[i % 4:] + METHODS[:i % 4]
+            for m in order:
+                y = base.clone()
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(y, group=groups[m])
+                dt = time.perf_counter() - t0
+                times[m].append(slowest(dt))
+                if not torch.equal(y, ref):
+                    raise AssertionError(f"{m} {fmt_size(size)}: wrong allreduce result")
+                if m != "gloo":
+                    rec = [r for r in xirang.stats(groups[m]) if r["op"] == "all_reduce"][-1]
+                    cross[m].append((total(rec["bytes_cross_rack"]), total(rec["bytes_cross_host"]), rec["algorithm"]))
+        rows.append({"kind": "allreduce", "size": size, "reps": reps, "times": times,
+                     "cross_rack": {m: cross[m][0][0] for m in METHODS if cross[m]},
+                     "cross_host": {m: cross[m][0][1] for m in METHODS if cross[m]},
+                     "algorithm": {m: cross[m][0][2] for m in METHODS if cross[m]}})
+        if rank == 0:
+            print(f"allreduce {fmt_size(size)}: " + "  ".join(
+                f"{m} {statistics.median(times[m]) * 1e3:.0f} ms" for m in METHODS), file=sys.stderr, flush=True)
+
+    # ---- DDP step
+    if cfg["ddp_steps"] > 0:
+        import torch.nn as nn
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def make_model():
+            torch.manual_seed(0)
+            layers = []
+            for _ in range(cfg["layers"]):
+                layers += [nn.Linear(cfg["width"], cfg["width"]), nn.ReLU()]
+            return nn.Sequential(*layers)
+
+        g = torch.Generator().manual_seed(rank)
+        data = torch.randn(cfg["batch"], cfg["width"], generator=g)
+        nparams = sum(p.numel() for p in make_model().parameters())
+        ddp_methods = ["compute"] + list(METHODS) + ["gloo+fp16"]
+        models = {}
+        for m in ddp_methods:
+            net = make_model()
+            if m == "compute":
+                models[m] = (net, torch.optim.SGD(net.parameters(), lr=1e-3))
+                continue
+            pg = groups["gloo" if m.startswith("gloo") else m]
+            d = DDP(net, process_group=pg, bucket_cap_mb=cfg["bucket_mb"])
+            if m == "gloo+fp16":
+                d.register_comm_hook(pg, default_hooks.fp16_compress_hook)
+            elif m != "gloo":
+                xirang.register_comm_hook(d)
+            models[m] = (d, torch.optim.SGD(d.parameters(), lr=1e-3))
+
+        def step(m):
+            net, opt = models[m]
+            opt.zero_grad(set_to_none=True)
+            loss = net(data).pow(2).mean()
+            loss.backward()
+            opt.step()
+
+        times = {m: [] for m in ddp_methods}
+        for m in ddp_methods:  # warm-up (hook state, buckets)
+            step(m)
+        for i in range(cfg["ddp_steps"]):
+            k = i % len(ddp_methods)
+            for m in ddp_methods[k:] + ddp_methods[:k]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(m)
+                times[m].append(slowest(time.perf_counter() - t0))
+        cross = {}
+        for m in METHODS[:3]:  # one more step per xirang method: the records it appends
+            n0 = len(xirang.stats(groups[m]))
+            step(m)
+            new = xirang.stats(groups[m])[n0:]
+            cross[m] = total(sum(r["bytes_cross_rack"] for r in new))
+        rows.append({"kind": "ddp", "params": nparams, "times": times, "cross_rack": cross})
+        if rank == 0:
+            print("ddp step: " + "  ".join(f"{m} {statistics.median(times[m]) * 1e3:.0f} ms" for m in ddp_methods),
+                  file=sys.stderr, flush=True)
+
+    if rank == 0:
+        with open(cfg["out"], "w") as f:
+            json.dump({"rows": rows, "info": info}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ======================================================================== launcher
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--racks", type=int, default=2)
+    ap.add_argument("--hosts-per-rack", type=int, default=2)
+    ap.add_argument("--ranks-per-host", type=int, default=2)
+    ap.add_argument("--placement", default="roundrobin", choices=("roundrobin", "block"))
+    ap.add_argument("--rate", default="200mbit", help="rack uplink rate, each direction (tc tbf)")
+    ap.add_argument("--delay", default="1ms", help="one-way cross-rack latency (netem, if the kernel has it)")
+    ap.add_argument("--sizes", default="1M,4M,16M,64M")
+    ap.add_argument("--reps", default="auto", help="repetitions per size: auto (3 below 16 MiB, 2 at "
+                    "16 MiB, 1 above) or a number")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed ops per method before the first size")
+    ap.add_argument("--ddp-steps", type=int, default=3, help="timed steps per method (0: no DDP)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--bucket-mb", type=float, default=25)
+    ap.add_argument("--probe-mb", type=float, default=16, help="raw TCP probe size (0: none)")
+    ap.add_argument("--timeout", type=float, default=900, help="wall-clock bound of the run, s")
+    ap.add_argument("--op-timeout", type=float, default=300)
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker()
+
+    import netns
+
+    if os.geteuid() != 0:
+        print("topology benchmark: needs root (ip netns, tc)", file=sys.stderr)
+        return 2
+    ok, why = netns.probe()
+    if not ok:
+        print(f"topology benchmark: emulated cluster unavailable: {why}", file=sys.stderr)
+        return 2
+    sizes = sorted({parse_size(s) for s in a.sizes.split(",") if s.strip()})
+    if a.reps == "auto":
+        reps = {str(s): (3 if s < 16 * MiB else 2 if s == 16 * MiB else 1) for s in sizes}
+    else:
+        reps = {str(s): int(a.reps) for s in sizes}
+    t_start = time.monotonic()
+    load0 = os.getloadavg()
+    with netns.Cluster(a.racks, a.hosts_per_rack, a.rate or None, a.delay or None) as c:
+        hosts = netns.placement(c, a.ranks_per_host, a.placement)
+        ws = len(hosts)
+        cross = next((r for r in range(1, ws) if hosts[r].rack != hosts[0].rack), None)
+        intra = next((r for r in range(1, ws) if hosts[r].rack == hosts[0].rack and hosts[r].ns != hosts[0].ns), None)
+        out = tempfile.NamedTemporaryFile(prefix="xrbench_", suffix=".json", delete=False).name
+        cfg = {"sizes": sizes, "reps": reps, "warmup": a.warmup, "ddp_steps": a.ddp_steps, "layers": a.layers,
+               "width": a.width, "batch": a.batch, "bucket_mb": a.bucket_mb, "op_timeout": a.op_timeout,
+               "ips": [h.ip for h in hosts], "probe_cross": cross if a.probe_mb > 0 else None,
+               "probe_intra": intra if a.probe_mb > 0 else None, "probe_bytes": int(a.probe_mb * MiB), "out": out}
+        setup = c.describe()
+        print(f"set-up: {setup}\n        {ws} ranks, {a.ranks_per_host} per host, placement {a.placement}: "
+              + " ".join(f"{r}:{h.ns[-2:]}/{h.rack}" for r, h in enumerate(hosts)), file=sys.stderr, flush=True)
+        try:
+            netns.launch(c, [sys.executable, os.path.abspath(__file__), "--worker"], a.ranks_per_host, a.placement,
+                         env={"XIRANG_BENCH_CFG": json.dumps(cfg)}, timeout=a.timeout)
+        except RuntimeError as e:
+            print(f"topology benchmark failed: {e}", file=sys.stderr)
+            return 1
+        with open(out) as f:
+            res = json.load(f)
+        os.unlink(out)
+    elapsed = time.monotonic() - t_start
+    load1 = os.getloadavg()
+    report(res, a, setup, ws, hosts, elapsed, load0, load1)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"result": res, "setup": setup, "args": vars(a), "elapsed_s": elapsed,
+                       "loadavg": [load0, load1]}, f, indent=1)
+    return 0
+
+
+def report(res, a, setup, ws, hosts, elapsed, load0, load1) -> None:
+    md = a.markdown
+    info = res["info"]
+    lines = []
+    lines.append(f"# topology benchmark: {ws} ranks = {a.racks} racks x {a.hosts_per_rack} hosts x "
+                 f"{a.ranks_per_host} ranks, placement {a.placement}")
+    lines.append(f"# {setup}")
+    lines.append("# raw TCP from rank 0 (one stream): " + ", ".join(
+        f"{k} {v:.0f} Mbit/s" for k, v in info.get("link_mbit", {}).items()))
+    lines.append("# rings: " + "; ".join(f"{m} {r}" for m, r in info["rings"].items()))
+    lines.append(f"# wall {elapsed:.0f} s, load average {load0[0]:.1f} -> {load1[0]:.1f} "
+                 f"({os.cpu_count()} CPUs, shared)")
+    sep = " | " if md else "  "
+
+    def row(cells, widths):
+        if md:
+            return "| " + " | ".join(str(x) for x in cells) + " |"
+        return sep.join(str(x).rjust(w) for x, w in zip(cells, widths))
+
+    head = ["op", "size"] + [f"{m} ms" for m in METHODS] + ["topo/rank", "2lvl/rank", "best/gloo"] + \
+           [f"xrack MB {m}" for m in METHODS[:3]]
+    widths = [9, 8] + [12] * 4 + [9, 9, 9] + [16] * 3
+    lines.append(row(head, widths))
+    if md:
+        lines.append("|" + "---|" * len(head))
+    for r in res["rows"]:
+        if r["kind"] != "allreduce":
+            continue
+        med = {m: statistics.median(r["times"][m]) for m in METHODS}
+        best = min(med["topo-ring"], med["two-level"])
+        cells = ["allreduce", fmt_size(r["size"])] + [f"{med[m] * 1e3:.0f}" for m in METHODS] + [
+            f"{med['topo-ring'] / med['rank-ring']:.2f}", f"{med['two-level'] / med['rank-ring']:.2f}",
+            f"{best / med['gloo']:.2f}"] + [f"{r['cross_rack'].get(m, 0) / 1e6:.1f}" for m in METHODS[:3]]
+        lines.append(row(cells, widths))
+    for r in res["rows"]:
+        if r["kind"] != "ddp":
+            continue
+        med = {m: statistics.median(v) for m, v in r["times"].items()}
+        best = min(med["topo-ring"], med["two-level"])
+        cells = ["DDP step", f"{r['params'] * 4 / MiB:.0f} MiB"] + [f"{med[m] * 1e3:.0f}" for m in METHODS] + [
+            f"{med['topo-ring'] / med['rank-ring']:.2f}", f"{med['two-level'] / med['rank-ring']:.2f}",
+            f"{best / med['gloo']:.2f}"] + [
+            (f"{r['cross_rack'][m] / 1e6:.1f}" if r["cross_rack"].get(m) is not None else "-") for m in METHODS[:3]]
+        lines.append(row(cells, widths))
+        lines.append(f"# DDP: {r['params'] / 1e6:.1f} M params ({a.layers} x Linear({a.width},{a.width})), batch "
+                     f"{a.batch}, bucket {a.bucket_mb} MB; xirang methods with xirang.register_comm_hook (BF16 wire); "
+                     f"gloo fp32 default hook {med['gloo'] * 1e3:.0f} ms, gloo+fp16_compress_hook "
+                     f"{med['gloo+fp16'] * 1e3:.0f} ms; compute only (no DDP) {med['compute'] * 1e3:.0f} ms")
+    reps = {r["size"]: r["reps"] for r in res["rows"] if r["kind"] == "allreduce"}
+    lines.append("# median of repetitions (" + ", ".join(f"{fmt_size(s)}: {n}" for s, n in reps.items())
+                 + f"; DDP: {a.ddp_steps} steps) of the slowest rank's time; xrack MB = bytes_cross_rack "
+                 "summed over ranks for one op (DDP: the hook's ops of one step)")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,577 @@
+"""Operation records, xirang.stats(gather=True), XIRANG_STATS_DIR and the report (issue #7).
+
+Real multi-rank runs (mp_pool.Pool, 2-4 ranks on 127.0.0.1) with XIRANG_STATS_DIR set:
+- records add up: phases <= total_s, per-peer bytes sum to bytes_wire, and with XIRANG_ALGO=ring
+  a 1 MiB float32 allreduce sends exactly the ring schedule's payload (2(N-1)/N x bytes);
+- the JSON lines equal xirang.stats() and stats(gather=True) brings every rank's to rank 0;
+- a rank slowed with XIRANG_TEST_DELAY_MS is the one the report names as slowest;
+- the hook's operations carry group_id and the group's layer names; the report finds its steps;
+- the page parses, references no external URL, embeds exactly the records, and renders in
+  headless Chromium without script errors (skipped with the reason when Chromium is missing).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zlib
+from html.parser import HTMLParser
+
+import pytest
+
+import mp_pool
+from conftest import require_backend
+from mp_pool import W
+
+MIB_NUMEL = 262144  # 1 MiB of float32
+PHASES = ("encode_s", "scatter_reduce_s", "allgather_s", "decode_s")
+FLOAT_KEYS = ("t_enqueue", "queued_s", "encode_s", "scatter_reduce_s", "allgather_s", "decode_s", "total_s")
+
+
+@pytest.fixture(autouse=True)
+def _need_xirang():
+    require_backend("xirang")
+
+
+# ---------------------------------------------------------------------------------------------
+# rank-side functions (run in the pool's workers)
+# ---------------------------------------------------------------------------------------------
+
+
+def w_init(delay_rank=-1, delay_ms=0):
+    import torch.distributed as dist
+
+    if W.rank == delay_rank:
+        os.environ["XIRANG_TEST_DELAY_MS"] = str(delay_ms)
+    else:
+        os.environ.pop("XIRANG_TEST_DELAY_MS", None)
+    dist.init_process_group(
+        "xirang", store=dist.PrefixStore("default_pg", W.store), rank=W.rank,
+        world_size=W.world_size, timeout=datetime.timedelta(seconds=60),
+    )
+    return True
+
+
+def w_allreduce(numel, iters):
+    import torch
+    import torch.distributed as dist
+
+    import xirang
+
+    t = torch.ones(numel, dtype=torch.float32)
+    for _ in range(iters):
+        dist.all_reduce(t)
+    own = xirang.stats()
+    gathered = xirang.stats(gather=True)
+    ring = list(xirang._backend_for(None).ring)
+    return {"own": own, "gathered": gathered, "ring": ring,
+            "sent": list(xirang._C.ring_allreduce_elements_sent(numel, W.world_size))}
+
+
+def w_hook(steps, layers_per_group):
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import xirang
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = xirang.register_comm_hook(ddp, layers_per_group=layers_per_group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x = torch.randn(8, 64)
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+    return {"layers": [g["layers"] for g in state.stats()["groups"]], "records": xirang.stats()}
+
+
+def w_destroy():
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def run_pool(ws, stats_dir, fn, *args, env=None, delay_rank=-1, delay_ms=0, timeout=120):
+    penv = {"XIRANG_STATS_DIR": stats_dir}
+    penv.update(env or {})
+    with mp_pool.Pool(ws, "xirang", init=False, env=penv, timeout_s=60) as pool:
+        pool.run(w_init, delay_rank, delay_ms, timeout=60)
+        res = pool.run(fn, *args, timeout=timeout)
+        pool.run(w_destroy, timeout=30)  # closes the JSONL files
+    return res
+
+
+def read_jsonl(d):
+    from xirang import report
+
+    recs, warns = report.load_records(d)
+    assert not warns, warns
+    return recs
+
+
+def make_report(d, tmp_path, name="report.html"):
+    out = os.path.join(str(tmp_path), name)
+    p = subprocess.run([sys.executable, "-m", "xirang.report", d, "-o", out],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    with open(out, encoding="utf-8") as f:
+        return out, f.read(), p.stdout
+
+
+class _Collect(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.urls, self.ids, self.scripts = [], set(), 0
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        for k in ("src", "href", "action", "data", "poster"):
+            if a.get(k):
+                self.urls.append(a[k])
+        if a.get("id"):
+            self.ids.add(a["id"])
+        if tag == "script":
+            self.scripts += 1
+
+
+def check_page(page):
+    p = _Collect()
+    p.feed(page)
+    p.close()
+    assert not p.urls, f"the page references {p.urls}"
+    for want in ("xirang-data", "xirang-status", "c-phases", "c-share", "c-bytes", "c-exposed", "c-ranks", "c-links"):
+        assert want in p.ids, want
+    # No URL anywhere except the SVG namespace string the drawing code needs.
+    urls = set(re.findall(r"https?://[^\s'\"<>)]+", page))
+    assert urls <= {"http://www.w3.org/2000/svg"}, urls
+    assert "url(" not in page and "@import" not in page
+
+
+def close(a, b):
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=2e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_records_add_up_ring(ws, tmp_path):
+    d = str(tmp_path / "stats")
+    iters = 3
+    res = run_pool(ws, d, w_allreduce, MIB_NUMEL, iters, env={"XIRANG_ALGO": "ring"})
+    payload = MIB_NUMEL * 4
+    lines = read_jsonl(d)
+    for rank, r in enumerate(res):
+        ring, sent = r["ring"], r["sent"]
+        pos = ring.index(rank)
+        ars = [x for x in r["own"] if x["op"] == "all_reduce"]
+        assert len(ars) >= iters
+        for rec in ars[:iters]:
+            assert rec["ok"] is True and rec["algorithm"] == "ring", rec
+            assert rec["numel"] == MIB_NUMEL and rec["dtype"] == "float32"
+            assert rec["group_id"] == -1
+            # payload only, exactly the ring schedule's count; 2(N-1)/N x payload here
+            assert rec["bytes_wire"] == sent[pos] * 4
+            assert rec["bytes_wire"] == 2 * (ws - 1) * payload // ws
+            assert rec["bytes_raw"] == rec["bytes_wire"]
+            assert rec["total_s"] > 0
+            for p in PHASES + ("queued_s",):
+                assert rec[p] >= 0
+            for p in PHASES:
+                assert rec[p] <= rec["total_s"] + 1e-9, (p, rec)
+            assert sum(rec[p] for p in PHASES) <= rec["total_s"] * (1 + 1e-6) + 1e-9
+            assert rec["scatter_reduce_s"] > 0 and rec["allgather_s"] > 0
+            peers = {p["peer"]: p for p in rec["peers"]}
+            assert sum(p["bytes_sent"] for p in peers.values()) == rec["bytes_wire"]
+            nxt, prv = ring[(pos + 1) % ws], ring[(pos - 1) % ws]
+            assert peers[nxt]["bytes_sent"] == rec["bytes_wire"]
+            assert peers[prv]["bytes_recv"] == sent[(pos - 1) % ws] * 4
+            for p in peers.values():
+                assert 0 <= p["send_s"] <= rec["total_s"] + 1e-9
+                assert 0 <= p["recv_s"] <= rec["total_s"] + 1e-9
+        # the JSON lines carry the same records plus run/pg/rank fields
+        mine = [x for x in lines if x["global_rank"] == rank]
+        # stats(gather=True)'s own operations come after the snapshot
+        assert len(mine) > len(r["own"])
+        for a, b in zip(mine, r["own"]):
+            assert a["group_rank"] == rank and a["world_size"] == ws
+            assert isinstance(a["run_id"], str) and isinstance(a["pg"], str)
+            for k, v in b.items():
+                if k in FLOAT_KEYS:
+                    assert close(a[k], v), (k, a[k], v)
+                elif k == "peers":
+                    assert [(p["peer"], p["bytes_sent"], p["bytes_recv"]) for p in a[k]] == \
+                           [(p["peer"], p["bytes_sent"], p["bytes_recv"]) for p in v]
+                else:
+                    assert a[k] == v, (k, a[k], v)
+    # stats(gather=True): rank 0 holds everyone's snapshot, the others None
+    assert res[0]["gathered"] is not None and len(res[0]["gathered"]) == ws
+    for rank in range(ws):
+        assert res[0]["gathered"][rank] == res[rank]["own"]
+    for rank in range(1, ws):
+        assert res[rank]["gathered"] is None
+
+    # the report's embedded data equal the records, its numbers equal theirs
+    out, page, stdout = make_report(d, tmp_path)
+    check_page(page)
+    from xirang import report
+
+    data = report.embedded_data(page)
+    assert data["records"] == lines  # one run in the directory: all of them
+    a = data["analysis"]
+    assert a["run"]["ranks"] == list(range(ws))
+    assert a["bytes"]["wire"] == sum(x["bytes_wire"] for x in lines)
+    assert a["bytes"]["raw"] == sum(x["bytes_raw"] for x in lines)
+    ar = [g for g in a["groups"] if g["key"] == "all_reduce"]
+    assert ar and ar[0]["bytes_wire"] == sum(x["bytes_wire"] for x in lines
+                                             if x["op"] == "all_reduce" and x["pg"] == a["run"]["primary_pg"])
+    ring_links = {(x["src"], x["dst"]) for x in a["links"] if x["bytes"] >= payload}
+    ring = res[0]["ring"]
+    assert {(ring[i], ring[(i + 1) % ws]) for i in range(ws)} <= ring_links
+    assert "hottest group:" in stdout and "slowest link:" in stdout
+
+
+@pytest.mark.parametrize("ws,slow", [(2, 1), (4, 2)])
+def test_slow_rank_is_named(ws, slow, tmp_path):
+    d = str(tmp_path / "stats")
+    iters = 4
+    run_pool(ws, d, w_allreduce, MIB_NUMEL, iters, env={"XIRANG_ALGO": "ring"},
+             delay_rank=slow, delay_ms=200, timeout=120)
+    lines = read_jsonl(d)
+    from xirang import report
+
+    a = report.analyze(lines, run_name="t")
+    assert a["slowest_rank"] == slow, json.dumps(a["ranks"], indent=1)
+    assert a["slowest_rank_clear"]
+    by = {r["rank"]: r for r in a["ranks"]}
+    # ~200 ms per allreduce waited on the slow rank by the others, almost none by the slow rank
+    assert by[slow]["net_wait_introduced_s"] > 0.5 * 0.2 * iters
+    assert by[slow]["waited_s"] < 0.5 * by[slow]["induced_s"]
+    # the delay shows as unattributed time inside the slow rank's own ops
+    assert by[slow]["unattributed_s"] > 0.8 * 0.2 * iters
+    # the CLI names it
+    _, page, stdout = make_report(d, tmp_path)
+    assert re.search(rf"^slowest rank: {slow}:", stdout, re.M), stdout
+    check_page(page)
+    assert report.embedded_data(page)["analysis"]["slowest_rank"] == slow
+
+
+def test_hook_steps_and_labels(tmp_path):
+    d = str(tmp_path / "stats")
+    steps, lpg = 3, 2
+    res = run_pool(2, d, w_hook, steps, lpg, timeout=180)
+    layers = res[0]["layers"]
+    assert len(layers) == 3
+    hook = [x for x in res[0]["records"] if x["group_id"] >= 0]
+    assert len(hook) == steps * len(layers)
+    for x in hook:
+        assert x["op"] == "allreduce_bf16_ef"
+        assert x["label"] == ", ".join(layers[x["group_id"]])
+        # BF16 on the wire for the matrices (fp32 raw); plain tensors, if folded in, go as they are
+        assert x["bytes_wire"] < x["bytes_raw"] <= 2 * x["bytes_wire"]
+    _, page, stdout = make_report(d, tmp_path)
+    check_page(page)
+    from xirang import report
+
+    a = report.embedded_data(page)["analysis"]
+    assert a["mode"] == "hook" and a["steps"] == steps
+    keys = [g["key"] for g in a["groups"] if g["key"].startswith("group ")]
+    assert keys == [f"group {i}" for i in range(len(layers))]
+    for g in a["groups"]:
+        if g["key"].startswith("group "):
+            i = int(g["key"].split()[1])
+            assert g["label"] == ", ".join(layers[i])
+            assert all(v > 0 for v in g["per_step"]["total_s"])
+    hottest = a["hottest_group"]
+    assert hottest in keys
+    assert f"hottest group: {hottest}" in stdout
+    assert len(a["exposure"]["exposed_s"]) == steps
+
+
+# ---------------------------------------------------------------------------------------------
+# the page in a real browser
+# ---------------------------------------------------------------------------------------------
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        p = shutil.which(name)
+        if p:
+            return p
+    return None
+
+
+def _png_stats(path):
+    """(distinct colours in a sample, fraction of non-white pixels) of an 8-bit RGB/RGBA PNG."""
+    try:
+        from PIL import Image
+
+        im = Image.open(path).convert("RGB")
+        px = list(im.getdata())
+        return len(set(px[:: max(1, len(px) // 200000)])), sum(1 for p in px if p != (255, 255, 255)) / len(px)
+    except ImportError:
+        pass
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, w = 8, b"", 0
+    while pos < len(data):
+        n, typ = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        if typ == b"IHDR":
+            w, h, depth, ctype = struct.unpack(">IIBB", body[:10])
+            assert depth == 8 and ctype in (2, 6), (depth, ctype)
+            bpp = 3 if ctype == 2 else 4
+        elif typ == b"IDAT":
+            idat += body
+        pos += 12 + n
+    raw = zlib.decompress(idat)
+    stride = w * bpp
+    prev = bytearray(stride)
+    colours, nonwhite, total = set(), 0, 0
+    i = 0
+    for _ in range(h):
+        ft = raw[i]
+        line = bytearray(raw[i + 1:i + 1 + stride])
+        i += 1 + stride
+        for x in range(stride):
+            a = line[x - bpp] if x >= bpp else 0
+            b = prev[x]
+            c = prev[x - bpp] if x >= bpp else 0
+            if ft == 1:
+                line[x] = (line[x] + a) & 255
+            elif ft == 2:
+                line[x] = (line[x] + b) & 255
+            elif ft == 3:
+                line[x] = (line[x] + ((a + b) >> 1)) & 255
+            elif ft == 4:
+                pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
+                line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        prev = line
+        for x in range(0, stride, bpp * 4):
+            px = bytes(line[x:x + 3])
+            colours.add(px)
+            total += 1
+            nonwhite += px != b"\xff\xff\xff"
+    return len(colours), nonwhite / max(1, total)
+
+
+def test_report_in_headless_chromium(tmp_path):
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("no chromium: tests/run.sh installs Debian's `chromium` when run as root with apt")
+    d = str(tmp_path / "stats")
+    run_pool(2, d, w_hook, 3, 2, timeout=180)
+    out, page, _ = make_report(d, tmp_path)
+    url = "file://" + out
+    prof = tempfile.mkdtemp(prefix="xr-chromium-")
+    flags = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             "--no-first-run", "--allow-file-access-from-files", f"--user-data-dir={prof}",
+             "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000"]
+    try:
+        try:
+            dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("chromium --dump-dom did not finish in 120 s")
+        if dom.returncode != 0 and not dom.stdout:
+            pytest.skip(f"chromium cannot run here (rc={dom.returncode}): {dom.stderr[-500:]}")
+        console = dom.stderr
+        assert "Uncaught" not in console, console[-3000:]
+        m = re.search(r'id="xirang-status"[^>]*data-state="(\w+)"[^>]*>([^<]*)<', dom.stdout)
+        assert m, dom.stdout[:2000]
+        assert m.group(1) == "ok", m.group(2)
+        assert re.search(r"rendered [1-9]\d* charts", m.group(2)), m.group(2)
+        assert dom.stdout.count("<svg") >= 6 and dom.stdout.count("<rect") > 20
+        shot = str(tmp_path / "shot.png")
+        s = subprocess.run(flags + [f"--screenshot={shot}", "--window-size=1200,1600", url],
+                           capture_output=True, text=True, timeout=120)
+        assert "Uncaught" not in s.stderr, s.stderr[-3000:]
+        assert os.path.exists(shot), s.stderr[-2000:]
+        colours, nonwhite = _png_stats(shot)
+        assert colours >= 8, colours          # text, axes and several bar colours
+        assert nonwhite > 0.01, nonwhite       # not a blank page
+    finally:
+        shutil.rmtree(prof, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# pure-Python parts (no processes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _rec(rank, seq, gid=-1, total=0.01, peers=(), **kw):
+    r = {"run_id": "", "pg": "0", "group_rank": rank, "global_rank": rank, "world_size": 2, "seq": seq,
+         "op": "allreduce_bf16_ef" if gid >= 0 else "all_reduce", "algorithm": "ring", "group_id": gid,
+         "label": f"l{gid}" if gid >= 0 else "", "dtype": "float32", "numel": 4, "bytes_raw": 8, "bytes_wire": 4,
+         "bytes_cross_host": 0, "bytes_cross_rack": 0, "t_enqueue": seq * 0.1, "queued_s": 0.0,
+         "encode_s": 0.001, "scatter_reduce_s": 0.002, "allgather_s": 0.003, "decode_s": 0.001,
+         "total_s": total, "ok": True, "peers": list(peers)}
+    r.update(kw)
+    return r
+
+
+def test_runs_split_on_seq_restart_and_steps(tmp_path):
+    from xirang import report
+
+    d = tmp_path / "s"
+    d.mkdir()
+    for rank in range(2):
+        with open(d / f"rank{rank}.jsonl", "w") as f:
+            for run in range(2):
+                seq = 0
+                for step in range(3 + run):
+                    for gid in (1, 0):  # launch order need not be increasing
+                        seq += 1
+                        f.write(json.dumps(_rec(rank, seq, gid, total=0.01 * (gid + 1))) + "\n")
+            f.write("{not json\n")
+    recs, warns = report.load_records(str(d))
+    assert len(warns) == 2 and len(recs) == 2 * 2 * (3 + 4)
+    runs = report.split_runs(recs)
+    assert [n for n, _ in runs] == ["(no run id) #1", "(no run id) #2"]
+    chosen, a, _ = report.build(str(d))
+    assert a["steps"] == 4 and a["mode"] == "hook"
+    assert a["hottest_group"] == "group 1"
+    g1 = next(g for g in a["groups"] if g["key"] == "group 1")
+    assert g1["per_step"]["total_s"] == [0.02] * 4
+    assert math.isclose(g1["share"], 2 / 3)
+    assert math.isclose(g1["per_step"]["unattributed_s"][0], 0.02 - 0.007)
+    _, a1, _ = report.build(str(d), run="0")
+    assert a1["steps"] == 3
+    page = report.render_html(chosen, a)
+    check_page(page)
+    assert report.embedded_data(page)["records"] == chosen
+
+
+def test_slowest_metric_on_synthetic_ring():
+    """4-rank ring, rank 1 late by 0.2 s: ranks 2, 3, 0 each wait once (the wait travels), rank 1 never."""
+    from xirang import report
+
+    ws, late, wait, xfer = 4, 1, 0.2, 0.001
+    recs = []
+    for seq in (1, 2):
+        for r in range(ws):
+            prv, nxt = (r - 1) % ws, (r + 1) % ws
+            w = wait if r != late else 0.0
+            peers = [{"peer": nxt, "send_s": xfer, "recv_s": 0.0, "bytes_sent": 100, "bytes_recv": 0},
+                     {"peer": prv, "send_s": 0.0, "recv_s": w + xfer, "bytes_sent": 0, "bytes_recv": 100}]
+            recs.append(_rec(r, seq, world_size=ws, peers=peers, bytes_wire=100))
+    for x in recs:
+        x["world_size"] = ws
+    a = report.analyze(recs)
+    assert a["slowest_rank"] == late
+    by = {r["rank"]: r for r in a["ranks"]}
+    assert math.isclose(by[late]["net_wait_introduced_s"], 2 * wait)
+    assert math.isclose(by[(late - 1) % ws]["net_wait_introduced_s"], -2 * wait)
+    # raw waits alone would tie ranks 1, 2 and 3 as "waited on"
+    assert sorted(round(r["induced_s"], 6) for r in a["ranks"]) == [0.002, 0.402, 0.402, 0.402]
+    # the link check: min(send, recv) = transfer only, so no link stands out
+    assert a["slowest_link_ratio"] is not None and a["slowest_link_ratio"] < 1.5
+
+
+def test_exposed_estimate_and_field():
+    from xirang import report
+
+    # one step, two groups: group 0 enqueued at 0.1 and ends 0.15, group 1 enqueued at 0.2, ends 0.26
+    recs = []
+    for r in range(2):
+        recs.append(_rec(r, 1, 0, t_enqueue=0.1, total_s=0.05))
+        recs.append(_rec(r, 2, 1, t_enqueue=0.2, total_s=0.06))
+    a = report.analyze(recs)
+    assert a["exposure"]["source"] == "estimate"
+    assert math.isclose(a["exposure"]["exposed_s"][0], 0.06)
+    assert math.isclose(a["exposure"]["hidden_s"][0], 0.05)
+    for x in recs:
+        x["exposed_s"] = 0.01
+    a = report.analyze(recs)
+    assert a["exposure"]["source"].startswith("records")
+    assert math.isclose(a["exposure"]["exposed_s"][0], 0.02)
+
+
+def test_from_gathered():
+    from xirang import report
+
+    g = [[_rec(0, 1)], [_rec(1, 1)]]
+    for lst in g:
+        for x in lst:
+            del x["group_rank"], x["global_rank"], x["pg"]
+    flat = report.from_gathered(g, pg="world")
+    assert [x["group_rank"] for x in flat] == [0, 1] and all(x["pg"] == "world" for x in flat)
+
+
+def test_exporters_aggregate_once():
+    from xirang import exporters
+
+    recs = [_rec(0, 1, 0, total=0.01), _rec(0, 2, -1, total=0.02, ok=False)]
+    fed = list(recs)
+    agg = exporters.Aggregator(fetch=lambda: list(fed))
+    assert len(agg.update()) == 2
+    assert agg.update() == []  # nothing new: nothing counted twice
+    fed.append(_rec(0, 3, 0, total=0.03))
+    assert len(agg.update()) == 1
+    s = agg.sums[("0", "allreduce_bf16_ef", "0")]
+    assert s["ops"] == 2 and math.isclose(s["total_s"], 0.04) and s["bytes_wire"] == 8
+    assert math.isclose(s["unattributed_s"], 0.04 - 2 * 0.007)
+    assert agg.sums[("0", "all_reduce", "-")]["failed"] == 1
+
+    class FakeWriter:
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, tag, v, step):
+            self.calls.append((tag, v, step))
+
+    w = FakeWriter()
+    fed2 = [_rec(0, 1, 0, total=0.01), _rec(0, 2, 0, total=0.03)]
+    tb = exporters.TensorBoardExporter(writer=w, fetch=lambda: fed2)
+    sc = tb.write(7)
+    assert math.isclose(sc["xirang/group0/total_ms"], 20.0) and sc["xirang/ops"] == 2
+    assert all(step == 7 for _, _, step in w.calls) and len(w.calls) == len(sc)
+    assert tb.write(8) == {"xirang/ops": 0.0}
+
+
+def test_prometheus_exporter():
+    prom = pytest.importorskip("prometheus_client", reason="prometheus_client not installed (optional)")
+    from xirang import exporters
+
+    reg = prom.CollectorRegistry()
+    exporters.start_prometheus(port=0, registry=reg, fetch=lambda: [_rec(0, 1, 2, total=0.5)])
+    text = prom.generate_latest(reg).decode()
+    assert 'xirang_ops_total{group="2",op="allreduce_bf16_ef",pg="0"} 1.0' in text
+    assert 'phase="total"' in text
+
+
+def test_exporters_missing_packages_say_what_to_install(monkeypatch):
+    import builtins
+
+    from xirang import exporters
+
+    real = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name.startswith(("prometheus_client", "torch.utils.tensorboard")):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(ImportError, match="pip install prometheus_client"):
+        exporters.start_prometheus(port=0)
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        exporters.TensorBoardExporter("/tmp/none")
