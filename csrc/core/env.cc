@@ -17,6 +17,7 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_SEGMENT_BYTES", "1048576", "ring segment size in bytes: encode, send, receive and reduce of different segments overlap"},
       {"XIRANG_SMALL_BYTES", "65536", "messages up to this many bytes take the latency-optimal direct exchange instead of the ring"},
       {"XIRANG_CODEC", "auto", "codec path: auto, avx512bf16, avx2, scalar"},
+      {"XIRANG_CUDA_TRANSPORT", "auto", "CUDA tensors: auto or host (pinned host staging + TCP); nccl is not implemented yet"},
       {"XIRANG_ALGO", "auto", "allreduce algorithm: auto, ring, direct, two_level"},
       {"XIRANG_RING_ORDER", "topology", "ring order: topology (rack, host, rank) or rank"},
       {"XIRANG_HOST", "", "host label of this rank (default: hostname)"},
@@ -25,8 +26,8 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_STATS_DIR", "", "directory where every rank appends its operation records as rank<N>.jsonl"},
       {"XIRANG_STATS_CAPACITY", "65536", "operation records kept in memory per process group (ring buffer)"},
       {"XIRANG_HANDSHAKE_TIMEOUT_MS", "10000", "bound on one connection's authentication handshake, milliseconds"},
-      {"XIRANG_ELASTIC", "0", "1: survive the loss of a rank by rebuilding the ring (fault tolerance)"},
-      {"XIRANG_HEARTBEAT_S", "1.0", "elastic mode: heartbeat period on idle links, seconds"},
+      {"XIRANG_PROMETHEUS_PORT", "", "xirang.exporters.start_prometheus(): serve metrics on this port + LOCAL_RANK"},
+      {"XIRANG_RUN_ID", "", "run id written into every stats record (default: TORCHELASTIC_RUN_ID)"},
       {"XIRANG_TEST_DELAY_MS", "0", "test only: sleep this long before each collective on this rank (to make a slow rank)"},
   };
   return table;
