@@ -1,0 +1,83 @@
+// Host-staged CUDA support of ProcessGroupXirang (built only with XIRANG_WITH_CUDA).
+//
+// One operation on CUDA tensors runs the CPU algorithm on pinned host mirrors:
+//   caller's thread  Stage::add() makes a pinned host mirror per CUDA tensor (CPU tensors pass
+//                    through); Stage::inputsReady() records an event on the caller's current
+//                    stream (where DDP fills its buckets) - enqueue() calls it;
+//   comm thread      copyIn(): the side stream waits on that event, copies D2H, synchronizes;
+//                    the CPU algorithm runs on the mirrors; copyOut(): H2D copies (non-blocking)
+//                    on the side stream, recordStream of every device tensor, the done event;
+//                    completeFuture() marks the Work's Future completed with the side stream
+//                    current (the Future records its own events there);
+//   caller's wait()  block(): the caller's current stream waits on the done event; the CPU
+//                    does not wait for the copies.
+// Side streams: one per device and process group (c10::cuda::getStreamFromPool), made on first
+// use. Nothing here makes a CUDA call before the first CUDA tensor is seen.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/Device.h>
+
+namespace xirang::cudastage {
+
+// XIRANG_CUDA_TRANSPORT: "auto" (default) or "host" -> the host-staged transport; "nccl" throws
+// c10::Error (not implemented yet); anything else throws naming the accepted values.
+void checkTransport();
+
+struct StreamsImpl;
+// The side streams of one process group.
+class Streams {
+ public:
+  Streams();
+  ~Streams();
+  StreamsImpl* impl() { return impl_.get(); }
+
+ private:
+  std::unique_ptr<StreamsImpl> impl_;
+};
+
+class Stage {
+ public:
+  explicit Stage(Streams& streams);
+  ~Stage();
+
+  // Returns the tensor the CPU algorithm works on: t itself on the CPU, else a contiguous pinned
+  // host mirror (same shape and dtype), filled from t by copyIn() when copy_in and copied to t by
+  // copyOut() when copy_out. All CUDA tensors of one op must be on one device (c10::Error).
+  at::Tensor add(const at::Tensor& t, bool copy_in, bool copy_out);
+  bool empty() const { return entries_.empty(); }
+  c10::Device device() const { return device_; }
+
+  // Caller's thread, when the op is enqueued.
+  void inputsReady();
+  // The user's tensor a host mirror stands for (t itself when it is not a mirror).
+  at::Tensor userTensor(const at::Tensor& t) const;
+
+  // Communication thread.
+  void copyIn();
+  void copyOut();
+  void completeFuture(const c10::intrusive_ptr<c10::ivalue::Future>& fut, c10::IValue value);
+
+  // Any thread after completion: the current stream of the op's device waits for the copies.
+  void block();
+  // Whether the copies back have finished (true when none were enqueued).
+  bool query();
+
+ private:
+  struct Entry {
+    at::Tensor user, host;
+    bool copy_in, copy_out;
+  };
+  struct Events;
+  StreamsImpl* streams_;
+  std::vector<Entry> entries_;
+  c10::Device device_{c10::kCPU};
+  std::unique_ptr<Events> ev_;
+};
+
+}  // namespace xirang::cudastage

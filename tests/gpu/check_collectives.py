@@ -1,0 +1,147 @@
+"""GPU check: 4 ranks sharing GPU 0 through xirang's host-staged CUDA transport.
+
+    python tests/gpu/check_collectives.py OUT_DIR [WORLD]
+
+Each rank runs every op twice, on CUDA tensors and on CPU copies of the same inputs (the CPU
+path is the reference: same algorithm, so the results must be bitwise equal), then an allreduce
+issued while the caller's stream is still writing the input (torch.cuda._sleep, then an in-place
+add): the result must come from the finished values. Rank 0 writes OUT_DIR/collectives.json.
+"""
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank, world, port, out, q):
+    import xirang  # noqa: F401  (registers the backend)
+
+    results = {}
+    try:
+        dist.init_process_group("xirang", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+        g = torch.Generator().manual_seed(100 + rank)
+
+        def same(x, y):
+            x, y = x.cpu().contiguous().view(-1), y.contiguous().view(-1)
+            if x.dtype != y.dtype or x.shape != y.shape:
+                return False
+            if x.dtype.is_floating_point:  # bitwise
+                x, y = x.view(torch.uint8), y.view(torch.uint8)
+            return torch.equal(x, y)
+
+        def check(name, cuda_out, cpu_out):
+            a = cuda_out if isinstance(cuda_out, list) else [cuda_out]
+            b = cpu_out if isinstance(cpu_out, list) else [cpu_out]
+            results[name] = bool(len(a) == len(b) and all(same(x, y) for x, y in zip(a, b)))
+
+        for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+            for op in ("SUM", "AVG", "MAX"):
+                if op == "AVG" and not dt.is_floating_point:
+                    continue
+                base = (torch.randn(1_000_003, generator=g) * 10).to(dt)
+                c, h = base.to(dev), base.clone()
+                dist.all_reduce(c, op=getattr(dist.ReduceOp, op))
+                dist.all_reduce(h, op=getattr(dist.ReduceOp, op))
+                check(f"all_reduce[{dt},{op}]", c, h)
+        # async with a non-contiguous CUDA tensor, Future value
+        base = torch.randn(512, 300, generator=g)
+        c, h = base.to(dev).t(), base.clone().t()
+        w = dist.all_reduce(c, async_op=True)
+        fut_val = w.get_future().wait()[0]
+        dist.all_reduce(h)
+        check("all_reduce[noncontiguous,future]", [c, fut_val], [h, h])
+        # broadcast
+        base = torch.randn(77_777, generator=g)
+        c, h = base.to(dev), base.clone()
+        dist.broadcast(c, src=1)
+        dist.broadcast(h, src=1)
+        check("broadcast", c, h)
+        # all_gather (list) and all_gather_into_tensor
+        base = torch.randn(10_001, generator=g)
+        outs_c = [torch.empty(10_001, device=dev) for _ in range(world)]
+        outs_h = [torch.empty(10_001) for _ in range(world)]
+        dist.all_gather(outs_c, base.to(dev))
+        dist.all_gather(outs_h, base.clone())
+        check("all_gather", outs_c, outs_h)
+        oc, oh = torch.empty(world * 10_001, device=dev), torch.empty(world * 10_001)
+        dist.all_gather_into_tensor(oc, base.to(dev))
+        dist.all_gather_into_tensor(oh, base.clone())
+        check("all_gather_into_tensor", oc, oh)
+        # reduce_scatter_tensor
+        base = torch.randn(world * 4099, generator=g)
+        oc, oh = torch.empty(4099, device=dev), torch.empty(4099)
+        dist.reduce_scatter_tensor(oc, base.to(dev))
+        dist.reduce_scatter_tensor(oh, base.clone())
+        check("reduce_scatter_tensor", oc, oh)
+        # the hook's op: allreduce_ef on CUDA tensors vs CPU tensors
+        pg = dist.distributed_c10d._get_default_group()
+        be = pg._get_backend(dev)
+        base = torch.randn(300_001, generator=g)
+        res = torch.randn(300_001, generator=g) * 1e-3
+        bc, rc, sc = base.to(dev), res.to(dev), torch.zeros(300_001, device=dev)
+        bh, rh, sh = base.clone(), res.clone(), torch.zeros(300_001)
+        be.allreduce_ef(bc, rc, sc).wait()
+        be.allreduce_ef(bh, rh, sh).wait()
+        check("allreduce_ef", [bc, sc], [bh, sh])
+        # producer still running on the current stream when allreduce is called
+        n = 1 << 22
+        x = torch.zeros(n, device=dev)
+        torch.cuda._sleep(int(5e8))  # ~0.25 s of GPU time before the add below runs
+        x.add_(rank + 1.0)
+        w = dist.all_reduce(x, async_op=True)
+        w.wait()  # the current stream waits for the copies back; then read on it
+        expect = float(sum(range(1, world + 1)))
+        results["allreduce_after_long_kernel"] = bool((x == expect).all().item())
+        # sync all_reduce, then an in-place op on the current stream sees the reduced values
+        y = torch.full((n,), float(rank), device=dev)
+        dist.all_reduce(y)
+        y.mul_(2)
+        results["allreduce_then_inplace"] = bool((y == 2.0 * sum(range(world))).all().item())
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        results["error"] = traceback.format_exc()
+    q.put((rank, results))
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else "gpu-results"
+    world = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    os.makedirs(out, exist_ok=True)
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, port, out, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in range(world):
+        r, res = q.get(timeout=240)
+        got[r] = res
+    for p in procs:
+        p.join(30)
+    ok = all("error" not in res and all(res.values()) for res in got.values()) and len(got) == world
+    with open(os.path.join(out, "collectives.json"), "w") as f:
+        json.dump({"ok": ok, "ranks": got}, f, indent=1)
+    for r in sorted(got):
+        for k, v in got[r].items():
+            if r == 0 or v is not True:
+                print(f"rank {r} {'PASS' if v is True else 'FAIL'} {k}" + ("" if v in (True, False) else f": {v}"))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# GPU checks of issue #5 on one GPU machine (sized for one H200, 16 cores, 5 minutes):
+#
+#     bash tests/gpu/run_checks.sh          # results under $XIRANG_GPU_OUT (default ./gpu-results)
+#
+# Uses the python with torch there ($PY, default python3; torch 2.11 CUDA 13 expected; installs
+# torch==2.11.* if it has no CUDA torch). Steps, each with a time limit, each writing its log and
+# a PASS/FAIL/SKIP line to $OUT/summary.txt as it goes (partial results survive a kill):
+#   build        pip install --no-build-isolation --no-deps . (XIRANG_BUILD_CUDA=1, MAX_JOBS=16)
+#   kernel_bits  CUDA kernels == CPU codec bits (tests/gpu/check_kernels.py bits)
+#   kernel_speed kernels vs device-to-device copy at 256 MiB, target >= 0.8 (check_kernels.py speed)
+#   collectives  4 ranks on GPU 0, host-staged: == CPU path bitwise; allreduce behind a long kernel
+#   ddp          DDP + xirang hook, 50 steps: loss within 2% of gloo fp32, replicas bitwise equal
+#   nocuda       XIRANG_BUILD_CUDA=0 build (another dir): CUDA tensor -> "CUDA path is not built";
+#                skipped when under 100 s of the budget are left
+# Exit status: number of failed steps (0 = all passed or skipped).
+set -uo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$root"
+OUT="${XIRANG_GPU_OUT:-./gpu-results}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+PY="${PY:-python3}"
+export MAX_JOBS="${MAX_JOBS:-16}"
+budget="${XIRANG_GPU_BUDGET_S:-300}"
+start=$(date +%s)
+failed=0
+summary="$OUT/summary.txt"
+: > "$summary"
+
+left() { echo $(( budget - ($(date +%s) - start) )); }
+note() { echo "$*" | tee -a "$summary"; }
+# step NAME LIMIT_S CMD...: runs CMD in /tmp (so the installed xirang is imported, not python/ of
+# this tree) with a time limit, output to $OUT/NAME.log; counts a failure.
+step() {
+    local name="$1" limit="$2"
+    shift 2
+    local t0 rc
+    t0=$(date +%s)
+    (cd /tmp && timeout "$limit" "$@") > "$OUT/$name.log" 2>&1
+    rc=$?
+    if [ $rc = 0 ]; then
+        note "PASS $name ($(( $(date +%s) - t0 )) s)"
+    else
+        failed=$((failed + 1))
+        note "FAIL $name (rc $rc$([ $rc = 124 ] && echo ', timed out'), $(( $(date +%s) - t0 )) s; log $name.log)"
+        tail -n 15 "$OUT/$name.log" | sed 's/^/    /'
+    fi
+    return $rc
+}
+
+# --- torch ------------------------------------------------------------------------------------
+if ! "$PY" -c "import torch; assert torch.version.cuda and torch.cuda.is_available()" 2>/dev/null; then
+    note "installing torch==2.11.* (no CUDA torch / no GPU seen by $PY)"
+    "$PY" -m pip install -q "torch==2.11.*" > "$OUT/torch-install.log" 2>&1 || note "FAIL torch install"
+fi
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.get_device_name(0))" \
+    2>&1 | tee -a "$summary"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$summary" 2>&1 || true
+
+# --- build ------------------------------------------------------------------------------------
+if ! step build 170 env XIRANG_BUILD_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -v "$root"; then
+    note "build failed: nothing else can run"
+    exit 1
+fi
+(cd /tmp && "$PY" -c "import xirang; print(xirang.build_info())") 2>&1 | tee -a "$summary"
+
+# --- checks -----------------------------------------------------------------------------------
+# The CPU reference of the bit check is the scalar codec (the AVX paths give the same bits).
+step kernel_bits 60 env XIRANG_CODEC=scalar "$PY" "$root/tests/gpu/check_kernels.py" "$OUT" bits
+step kernel_speed 40 "$PY" "$root/tests/gpu/check_kernels.py" "$OUT" speed
+grep -h "speed" "$OUT/kernel_speed.log" >> "$summary" 2>/dev/null
+step collectives 90 "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 4
+grep -h "FAIL" "$OUT/collectives.log" >> "$summary" 2>/dev/null
+step ddp 120 "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50
+grep -h "ddp" "$OUT/ddp.log" >> "$summary" 2>/dev/null
+
+# --- the CPU-only build's error on a CUDA tensor ---------------------------------------------
+if [ "$(left)" -ge 100 ]; then
+    nocuda="$(mktemp -d)"
+    tar -C "$root" --exclude=./build --exclude=./.git --exclude='*.so' --exclude="./$(basename "$OUT")" -cf - . \
+        | tar -C "$nocuda" -xf -
+    step nocuda "$(( $(left) - 5 ))" bash -c "cd '$nocuda' && XIRANG_BUILD_CUDA=0 '$PY' setup.py build_ext --inplace \
+        && cd /tmp && PYTHONPATH='$nocuda/python' '$PY' '$root/tests/gpu/check_nocuda.py'"
+else
+    note "SKIP nocuda (only $(left) s of the ${budget} s budget left)"
+fi
+
+note "done in $(( $(date +%s) - start )) s, $failed failed step(s); results in $OUT"
+exit "$failed"
