@@ -29,6 +29,7 @@ class StoreAdapter : public transport::Store {
   void set(const std::string& key, const std::string& value) override {
     s_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
   }
+  bool check(const std::string& key) override { return s_->check({key}); }
   std::string get(const std::string& key, transport::Deadline deadline) override {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() < 1) left = std::chrono::milliseconds(1);
@@ -132,6 +133,17 @@ WorkXirang::WorkXirang(int rank, c10d::OpType type, const char* title, std::vect
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkXirang::getFuture() { return future_; }
 
+bool WorkXirang::wait(std::chrono::milliseconds timeout) {
+  if (timeout != kNoTimeout) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
+      TORCH_CHECK(false, desc_, ": Work.wait(timeout=", timeout.count(),
+                  " ms) expired while the operation is still in progress (its own op timeout still applies)");
+    }
+  }
+  return Work::wait(kNoTimeout);
+}
+
 std::vector<at::Tensor> WorkXirang::result() { return outputs_; }
 
 void WorkXirang::complete(std::exception_ptr error) {
@@ -215,6 +227,9 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   }
   comm_.segment_bytes = env::getInt("XIRANG_SEGMENT_BYTES");
   comm_.small_bytes = env::getInt("XIRANG_SMALL_BYTES");
+  TORCH_CHECK(comm_.segment_bytes >= 4096, "xirang: XIRANG_SEGMENT_BYTES=", comm_.segment_bytes,
+              " is too small (at least 4096 bytes; default 1048576)");
+  TORCH_CHECK(comm_.small_bytes >= 0, "xirang: XIRANG_SMALL_BYTES=", comm_.small_bytes, " must be >= 0");
   std::string algo = cfg_.algorithm == "auto" ? env::get("XIRANG_ALGO") : cfg_.algorithm;
   if (algo == "ring") comm_.algo = Comm::Algo::Ring;
   else if (algo == "direct") comm_.algo = Comm::Algo::Direct;
@@ -324,6 +339,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::enqueue(c10d::OpType type, co
   op.rec.dtype = dtypeName(dtype);
   op.rec.numel = numel;
   op.rec.t_enqueue = std::chrono::duration<double>(op.enqueued - created_).count();
+  work->desc_ = "xirang rank " + std::to_string(rank_) + ": " + describe(op);
   if (env::logLevel() >= env::Level::Trace)
     env::log(env::Level::Trace, rank_, "enqueue " + describe(op));
   {

@@ -78,6 +78,9 @@ class WorkXirang : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override;
   int sourceRank() const override { return source_rank_; }
+  // Work.wait(timeout): bounds only this wait; on expiry raises naming the rank and the op.
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  std::string desc_;  // "xirang rank R: <op> (op #seq, ...)" for messages
   // Called once by the communication thread.
   void complete(std::exception_ptr error);
 #ifdef XIRANG_WITH_CUDA

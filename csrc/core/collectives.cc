@@ -61,6 +61,9 @@ std::vector<Seg> segmentsOf(Ptr base, uint64_t bytes, uint64_t seg_bytes) {
   return out;
 }
 
+// aux bit marking the agreement check (an empty frame) of one-directional collectives.
+constexpr uint64_t kCheckBit = 1ULL << 40;
+
 uint64_t segBytesFor(const Comm& comm, size_t elem) {
   uint64_t s = static_cast<uint64_t>(std::max<int64_t>(comm.segment_bytes, 1));
   s = std::max<uint64_t>(elem, s / elem * elem);
@@ -194,6 +197,21 @@ void twoLevelAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t n
   allreduce(cross, ctx, base + shards[j].offset * elem, shards[j].count, wire, op);
   allgather(local, ctx, blocks);
   if (ctx.phases) ctx.phases->algorithm = "two_level";
+}
+
+// One-directional collectives (broadcast, gather, scatter) first exchange one empty frame around
+// the ring (send to next, receive from prev), carrying op, dtype, element count, order and root.
+// Without it, ranks that disagree about the root could all wait to receive (nobody sends) until
+// the timeout, or a root could return success while its peers raise. Any disagreement is seen
+// by some rank, whose abort reaches everybody. Cost: one latency round.
+static void precheck(const Comm& comm, const OpCtx& ctx, int root) {
+  const int n = comm.size();
+  if (n <= 1) return;
+  const int pos = comm.position();
+  const auto h = headerFor(ctx, kCheckBit | static_cast<uint64_t>(root));
+  std::vector<SendJob> sends{{comm.ring[ring::nextPos(pos, n)], h, {}}};
+  std::vector<RecvJob> recvs{{comm.ring[ring::prevPos(pos, n)], h, {}, nullptr}};
+  runExchange(comm, ctx, sends, recvs);
 }
 
 void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
@@ -351,11 +369,13 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
 
 void broadcast(const Comm& comm, const OpCtx& ctx, void* data, uint64_t bytes, int root) {
   const int n = comm.size();
-  if (n <= 1 || bytes == 0) return;
+  if (n <= 1) return;
   const int pos = comm.position();
   auto rit = std::find(comm.ring.begin(), comm.ring.end(), root);
   if (rit == comm.ring.end()) throw std::invalid_argument("xirang: broadcast root " + std::to_string(root) + " is not a member");
   const int root_pos = static_cast<int>(rit - comm.ring.begin());
+  precheck(comm, ctx, root);
+  if (bytes == 0) return;
   const int d = (pos - root_pos + n) % n;  // distance from the root along the ring
   const int next = comm.ring[ring::nextPos(pos, n)];
   const int prev = comm.ring[ring::prevPos(pos, n)];
@@ -468,6 +488,7 @@ void alltoall(const Comm& comm, const OpCtx& ctx, const std::vector<SendSeg>& se
 }
 
 void gather(const Comm& comm, const OpCtx& ctx, SendSeg mine, const std::vector<RecvSeg>& blocks, int root) {
+  precheck(comm, ctx, root);
   std::vector<SendJob> sends;
   std::vector<RecvJob> recvs;
   const uint64_t seg = segBytesFor(comm, 1);
@@ -487,6 +508,7 @@ void gather(const Comm& comm, const OpCtx& ctx, SendSeg mine, const std::vector<
 }
 
 void scatter(const Comm& comm, const OpCtx& ctx, const std::vector<SendSeg>& blocks, RecvSeg mine, int root) {
+  precheck(comm, ctx, root);
   std::vector<SendJob> sends;
   std::vector<RecvJob> recvs;
   const uint64_t seg = segBytesFor(comm, 1);

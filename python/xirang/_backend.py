@@ -5,7 +5,8 @@ import dataclasses
 import logging
 import os
 import socket
-from typing import Optional
+from datetime import timedelta
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,8 @@ class Options:
     """Options of a xirang group, passed as `pg_options=` to init_process_group / new_group.
 
     Attributes:
-        timeout: seconds; overrides the group's timeout when set (per-op timeouts still win).
+        timeout: seconds (float) or a datetime.timedelta; overrides the group's timeout when set
+            (per-op timeouts, e.g. AllreduceOptions().timeout, still win).
         algorithm: "auto" (direct exchange up to XIRANG_SMALL_BYTES; above it two-level where hosts
             hold equal numbers of ranks, else the ring), "ring", "direct", "two_level". Default
             "auto" defers to XIRANG_ALGO.
@@ -52,7 +54,7 @@ class Options:
         elastic: reserved for fault-tolerant mode (XIRANG_ELASTIC); must be False for now.
     """
 
-    timeout: Optional[float] = None
+    timeout: Optional[Union[float, timedelta]] = None
     algorithm: str = "auto"
     ring_order: Optional[str] = None
     elastic: bool = False
@@ -87,9 +89,14 @@ def _labels() -> tuple:
 def create(dist_backend_opts, backend_options):
     C = load_C()
     opts = backend_options if isinstance(backend_options, Options) else Options()
+    if os.environ.get("XIRANG_ELASTIC", "0").lower() not in ("", "0", "false", "no", "off"):
+        raise NotImplementedError(
+            "XIRANG_ELASTIC is set, but xirang has no elastic mode yet: a lost rank fails the job "
+            "(every survivor raises within about 2 s). Unset XIRANG_ELASTIC."
+        )
     timeout = dist_backend_opts.timeout.total_seconds()
     if opts.timeout is not None:
-        timeout = float(opts.timeout)
+        timeout = opts.timeout.total_seconds() if isinstance(opts.timeout, timedelta) else float(opts.timeout)
     store = dist_backend_opts.store
     rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
     group_name = str(getattr(dist_backend_opts, "group_id", "") or "")

@@ -203,6 +203,38 @@ def test_shape_mismatch_is_an_error_on_both_ranks(backend, ws, pool):
     errors_on_every_rank(res, r"shape|size|count|numel|bytes|elements|mismatch", "(1,2560) vs (2,2560)")
 
 
+def w_mixed_collectives(kind):
+    """Ranks disagree about the collective or its root; each call must raise, not hang."""
+    import time
+
+    t = torch.ones(8)
+    g = mp_pool.group()
+    t0 = time.monotonic()
+    if kind == "allreduce_vs_broadcast":
+        fn = (lambda: dist.all_reduce(t, group=g)) if rank() == 0 else (lambda: dist.broadcast(t, 0, group=g))
+    elif kind == "broadcast_roots":
+        fn = lambda: dist.broadcast(t, rank() % 2, group=g)  # noqa: E731
+    elif kind == "gather_roots":
+        fn = lambda: dist.gather(t, [torch.empty(8) for _ in range(size())] if rank() == rank() % 2 else None,  # noqa: E731
+                                 dst=rank() % 2, group=g)
+    else:  # scatter_roots
+        fn = lambda: dist.scatter(t, [torch.ones(8) for _ in range(size())] if rank() == rank() % 2 else None,  # noqa: E731
+                                  src=rank() % 2, group=g)
+    out = mp_pool.capture(fn)
+    return out, time.monotonic() - t0
+
+
+@pytest.mark.xirang_only
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("kind", ["allreduce_vs_broadcast", "broadcast_roots", "gather_roots", "scatter_roots"])
+def test_mismatched_collectives_raise_on_every_rank(backend, ws, kind, pool):
+    res = pool.run(w_mixed_collectives, kind, timeout=30)
+    pool.discard()
+    errors_on_every_rank([r for r, _ in res], r"mismatch|aborted|lost|closed", kind)
+    # the group timeout is long: a raise well under it means the mismatch was detected, not timed out
+    assert max(el for _, el in res) < 10.0, [el for _, el in res]
+
+
 # ---------------------------------------------------------------- xirang vs gloo in one run
 def w_same_inputs_both_groups():
     out = {}

@@ -158,7 +158,7 @@ int listenOnInterface(const std::string& ifname, std::string* address) {
   return fd;
 }
 
-int connectTo(const std::string& address, Deadline deadline, int peer) {
+int connectTo(const std::string& address, Deadline deadline, int peer, const std::function<void()>& between_tries) {
   std::string host, port;
   splitAddress(address, &host, &port);
   std::string last = "no address";
@@ -203,6 +203,7 @@ int connectTo(const std::string& address, Deadline deadline, int peer) {
       freeaddrinfo(res);
     }
     if (Clock::now() >= deadline) break;
+    if (between_tries) between_tries();
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // listener may still be starting
   }
   throw TimeoutError("cannot connect to rank " + std::to_string(peer) + " at " + address + ": " + last, peer);
@@ -273,7 +274,28 @@ void Tcp::close() {
   }
 }
 
+void Tcp::checkStoreAbort(int peer) {
+  if (!store_) return;
+  const std::string key = opts_.key_prefix + "/abort";
+  bool aborted = false;
+  try {
+    aborted = store_->check(key);
+  } catch (const std::exception& e) {
+    throw TransportError(std::string("the store is unreachable (") + e.what() + ")", peer);
+  }
+  if (aborted) {
+    std::string why = store_->get(key, Clock::now() + std::chrono::seconds(5));
+    throw TransportError("the group was aborted: " + why, peer);
+  }
+}
+
 void Tcp::abort(const std::string& why) {
+  if (store_ && size_ > 1) {
+    try {  // best effort: the store may be gone with the rank that hosted it
+      store_->set(opts_.key_prefix + "/abort", why.substr(0, kMaxAbortMessage));
+    } catch (...) {
+    }
+  }
   std::vector<int> fds;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -381,7 +403,7 @@ bool Tcp::serverHandshake(int fd, int* peer_out, std::string* why) {
 
 int Tcp::clientConnect(int peer, Deadline deadline) {
   std::string addr = store_->get(opts_.key_prefix + "/addr/" + std::to_string(peer), deadline);
-  int fd = connectTo(addr, deadline, peer);
+  int fd = connectTo(addr, deadline, peer, [this, peer] { checkStoreAbort(peer); });
   setNonBlocking(fd, true);
   Deadline hs = std::min(deadline, Clock::now() + opts_.handshake_timeout);
   uint8_t hello[kHelloBytes] = {0};
@@ -430,6 +452,13 @@ int Tcp::outgoing(int peer, Deadline deadline) {
   }
   out_fds_[peer] = fd;
   return fd;
+}
+
+int Tcp::tryIncoming(int peer) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) throw TransportError("transport closed: " + abort_reason_, peer);
+  auto it = in_fds_.find(peer);
+  return it == in_fds_.end() ? -1 : it->second;
 }
 
 int Tcp::incoming(int peer, Deadline deadline) {
@@ -525,6 +554,7 @@ struct OutStream {
   uint64_t pay_off = 0;
   bool hdr_ready = false;
   uint64_t bytes_done = 0;
+  bool back_closed = false;
 };
 struct InStream {
   int fd;
@@ -560,6 +590,22 @@ struct InStream {
   throw TransportError("connection to rank " + std::to_string(peer) + " lost (" + why + ")", peer);
 }
 
+// Reads the back channel of a connection we only send on. Throws if it carries an abort frame;
+// returns false when the peer closed it (or anything else arrived), true if nothing is there.
+bool readAbortIfAny(int fd, int peer) {
+  uint8_t hdr[kHeaderBytes];
+  ssize_t got = ::recv(fd, hdr, sizeof(hdr), MSG_PEEK | MSG_DONTWAIT);
+  if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
+  if (got > 0) {
+    std::string why;
+    if (ioExact(fd, hdr, sizeof(hdr), false, Clock::now() + std::chrono::milliseconds(200), &why)) {
+      FrameHeader h = decodeHeader(hdr);
+      if (h.magic == kMagic && h.kind == FrameKind::Abort) throwAbortFrom(fd, peer, hdr);
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline,
@@ -588,10 +634,11 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
   }
   for (size_t j = 0; j < recvs.size(); ++j) {
     auto& job = recvs[j];
-    int fd = incoming(job.peer, deadline);
-    auto it = std::find_if(ins.begin(), ins.end(), [&](const InStream& s) { return s.fd == fd; });
+    // The peer's connection to us may not exist yet (it connects when it first sends): do not
+    // wait for it here, or a peer that is itself waiting for our frames never gets them.
+    auto it = std::find_if(ins.begin(), ins.end(), [&](const InStream& s) { return s.peer == job.peer; });
     if (it == ins.end()) {
-      ins.push_back(InStream{fd, job.peer, {}});
+      ins.push_back(InStream{tryIncoming(job.peer), job.peer, {}});
       it = ins.end() - 1;
     }
     if (job.segs.empty()) {
@@ -622,24 +669,40 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
 
   std::vector<pollfd> pfds;
   std::vector<std::pair<bool, size_t>> who;  // (is_out, index)
+  auto last_store_check = Clock::now();
   uint64_t sent_payload = 0;
   while (true) {
     pfds.clear();
     who.clear();
+    bool pending = false, connecting = false;
+    for (auto& in : ins) {
+      if (in.cur >= in.frames.size()) continue;
+      pending = true;
+      if (in.fd < 0 && (in.fd = tryIncoming(in.peer)) < 0) connecting = true;
+    }
+    for (auto& out : outs) pending = pending || out.cur < out.frames.size();
+    if (!pending) break;
     for (size_t i = 0; i < outs.size(); ++i) {
-      short ev = POLLIN;  // abort frames / EOF arrive on the back channel
-      if (outs[i].cur < outs[i].frames.size()) ev |= POLLOUT;
-      else continue;
-      pfds.push_back({outs[i].fd, ev, 0});
+      // Abort frames arrive on the back channel, also after our sends to that peer are done.
+      const bool sending = outs[i].cur < outs[i].frames.size();
+      if (!sending && outs[i].back_closed) continue;
+      pfds.push_back({outs[i].fd, static_cast<short>(sending ? (POLLIN | POLLOUT) : POLLIN), 0});
       who.push_back({true, i});
     }
     for (size_t i = 0; i < ins.size(); ++i) {
-      if (ins[i].cur >= ins[i].frames.size()) continue;
+      if (ins[i].cur >= ins[i].frames.size() || ins[i].fd < 0) continue;
       pfds.push_back({ins[i].fd, POLLIN, 0});
       who.push_back({false, i});
     }
-    if (pfds.empty()) break;
     int t = msUntil(deadline);
+    if (connecting) {  // look again for the connections not yet accepted
+      t = std::min(t, 10);
+      if (Clock::now() - last_store_check > std::chrono::milliseconds(200)) {
+        last_store_check = Clock::now();
+        for (auto& in : ins)
+          if (in.fd < 0) checkStoreAbort(in.peer);
+      }
+    }
     int r = t == 0 ? 0 : ::poll(pfds.data(), pfds.size(), t);
     if (r < 0) {
       if (errno == EINTR) continue;
@@ -648,7 +711,8 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
     if (r == 0 && Clock::now() >= deadline) {
       std::string waiting;
       for (auto& s : ins)
-        if (s.cur < s.frames.size()) waiting += " receive from rank " + std::to_string(s.peer);
+        if (s.cur < s.frames.size())
+          waiting += " receive from rank " + std::to_string(s.peer) + (s.fd < 0 ? " (it has not connected)" : "");
       for (auto& s : outs)
         if (s.cur < s.frames.size()) waiting += " send to rank " + std::to_string(s.peer);
       throw TimeoutError("timed out; still waiting to" + waiting, -1);
@@ -657,6 +721,12 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
       if (pfds[k].revents == 0) continue;
       if (who[k].first) {
         OutStream& s = outs[who[k].second];
+        if (s.cur >= s.frames.size()) {
+          // Our sends are complete: only an abort matters; a peer that finished and closed
+          // (or died: the streams we still wait on will say so) is not an error here.
+          if (!readAbortIfAny(s.fd, s.peer)) s.back_closed = true;
+          continue;
+        }
         if (pfds[k].revents & POLLIN) readBackChannel(s.fd, s.peer);
         if (pfds[k].revents & (POLLERR | POLLHUP | POLLNVAL))
           throw TransportError("connection to rank " + std::to_string(s.peer) + " lost", s.peer);

@@ -38,6 +38,8 @@ class Store {
   virtual void set(const std::string& key, const std::string& value) = 0;
   // Blocks until `key` exists, at most until `deadline`; throws std::runtime_error after it.
   virtual std::string get(const std::string& key, Deadline deadline) = 0;
+  // Whether `key` exists now (no waiting). Throws if the store cannot be reached.
+  virtual bool check(const std::string& key) { (void)key; return false; }
 };
 
 // Base of every transport failure. `peer` is the rank involved (-1 if none).
@@ -141,6 +143,10 @@ class Tcp {
  private:
   int outgoing(int peer, Deadline deadline);  // fd we send on
   int incoming(int peer, Deadline deadline);  // fd we receive on
+  int tryIncoming(int peer);                  // the same, or -1 if not connected yet
+  // Throws the abort another rank left in the store (abort() writes "<prefix>/abort"), if any:
+  // how a rank waiting for a peer that will never connect learns the group is gone.
+  void checkStoreAbort(int peer);
   void acceptLoop();
   void finishAccept(int fd);
   bool serverHandshake(int fd, int* peer_out, std::string* why);
@@ -188,6 +194,8 @@ int listenOnInterface(const std::string& ifname, std::string* address);
 
 // Opens a TCP connection to "ip:port" / "[ip]:port", trying every getaddrinfo result, before
 // `deadline`. Returns a connected blocking fd or throws TransportError.
-int connectTo(const std::string& address, Deadline deadline, int peer);
+// `between_tries` (optional) runs before each retry and may throw to give up early.
+int connectTo(const std::string& address, Deadline deadline, int peer,
+              const std::function<void()>& between_tries = nullptr);
 
 }  // namespace xirang::transport
