@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: start one process per rank and collect what they report.
+"""Shared by the benchmarks: start one process per rank and collect what they report, and
+describe the machine a table was measured on.
 
 A worker is `worker(rank, ws, port, cfg, q)`; it puts `(kind, value)` tuples on `q`: `("done",
 rank)` when finished, `("error", text)` on failure, anything else is handed to `on_message`.
@@ -6,6 +7,8 @@ Everything is bounded by `cfg["timeout"]` seconds; ranks left running are killed
 """
 from __future__ import annotations
 
+import os
+import platform
 import queue as _queue
 import socket
 import time
@@ -60,3 +63,30 @@ def run_ranks(worker, ws: int, cfg: dict, on_message) -> None:
             p.join()
     if err:
         raise RuntimeError(err)
+
+
+def machine_info() -> dict:
+    info = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        info["loadavg"] = os.getloadavg()
+    except OSError:
+        pass
+    try:
+        import torch
+
+        import xirang
+
+        info["torch"] = torch.__version__
+        info["xirang"] = xirang.build_info()
+    except Exception as e:  # pragma: no cover
+        info["xirang_error"] = repr(e)
+    info["env"] = {k: v for k, v in os.environ.items() if k.startswith("XIRANG_")}
+    return info

@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -39,7 +38,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import run_ranks  # noqa: E402
+from _ranks import machine_info, run_ranks  # noqa: E402
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -295,33 +294,6 @@ def markdown(rows: list) -> str:
                    + (f"{c:.2f}" if c else "-") + f" | {x['busbw'] / g['busbw']:.2f} | "
                    + (f"{x['busbw'] / c:.2f}" if c else "-") + " |")
     return "\n".join(out)
-
-
-def machine_info() -> dict:
-    info = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        info["loadavg"] = os.getloadavg()
-    except OSError:
-        pass
-    try:
-        import torch
-
-        import xirang
-
-        info["torch"] = torch.__version__
-        info["xirang"] = xirang.build_info()
-    except Exception as e:  # pragma: no cover
-        info["xirang_error"] = repr(e)
-    info["env"] = {k: v for k, v in os.environ.items() if k.startswith("XIRANG_")}
-    return info
 
 
 def main(argv=None) -> int:

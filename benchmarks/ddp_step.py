@@ -56,7 +56,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -64,7 +63,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import run_ranks  # noqa: E402
+from _ranks import machine_info, run_ranks  # noqa: E402
 
 ALL_CONFIGS = ["gloo", "xirang", "xirang_hook", "xirang_hook_bc", "gloo_fp16", "gloo_bf16",
                "gloo_powersgd", "xirang_fp16"]
@@ -441,33 +440,6 @@ def markdown(rows: list) -> str:
             f" | {launches_str(r)}{lk} | {ratio(r['step_ms'], b['step_ms']) if b else '-'}"
             f" | {ratio(r['wire_bytes_per_step'], b['wire_bytes_per_step']) if b else '-'} |")
     return "\n".join(out)
-
-
-def machine_info() -> dict:
-    info = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        info["loadavg"] = os.getloadavg()
-    except OSError:
-        pass
-    try:
-        import torch
-
-        import xirang
-
-        info["torch"] = torch.__version__
-        info["xirang"] = xirang.build_info()
-    except Exception as e:  # pragma: no cover
-        info["xirang_error"] = repr(e)
-    info["env"] = {k: v for k, v in os.environ.items() if k.startswith("XIRANG_")}
-    return info
 
 
 def main(argv=None) -> int:
