@@ -87,8 +87,8 @@ const char* groupTitle(int64_t group_id) {
 
 bool is16BitFloat(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
-// A buffer the algorithms can work in: the tensor itself when it is contiguous and needs no
-// widening, else a contiguous (float32 for 16-bit floats) copy that is written back after.
+// A buffer the algorithms can work in: the tensor itself when it is contiguous, else a
+// contiguous copy that is written back after.
 struct Staged {
   at::Tensor user;
   at::Tensor buf;
@@ -98,12 +98,9 @@ struct Staged {
   }
 };
 
-Staged stage(const at::Tensor& t, bool widen16) {
+Staged stage(const at::Tensor& t) {
   Staged s{t, t, false};
-  if (widen16 && is16BitFloat(t.scalar_type())) {
-    s.buf = t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
-    s.copy_back = true;
-  } else if (!t.is_contiguous()) {
+  if (!t.is_contiguous()) {
     s.buf = t.contiguous();
     s.copy_back = true;
   }
@@ -580,7 +577,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce(std::vector<at::Ten
   checkReduce(rank_, "allreduce", t.scalar_type(), op);
   double premul = op == ReduceOp::PremulSum ? premulFactor(opts.reduceOp) : 1.0;
   auto fn = [this, t, op, premul](OpCtx& ctx) {
-    Staged s = stage(t, false);
+    Staged s = stage(t);
     reduceAll(comm_, ctx, s.buf, op, premul);
     s.finish();
   };
@@ -664,7 +661,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor bu
     // The group's other tensors (biases, norms, 16-bit or fp64 gradients): averaged in their own
     // dtype within the same operation, so a layer group costs one launch.
     for (const auto& t : plain) {
-      Staged st = stage(t, false);
+      Staged st = stage(t);
       reduceAll(comm_, ctx, st.buf, ReduceOp::Avg, 1.0);
       st.finish();
     }
@@ -697,7 +694,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Ten
   at::Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
   auto fn = [this, t, root](OpCtx& ctx) {
-    Staged s = stage(t, false);
+    Staged s = stage(t);
     xirang::broadcast(comm_, ctx, s.buf.data_ptr(), nbytes(s.buf), root);
     if (rank_ != root) s.finish();
   };
@@ -751,7 +748,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_allgather_base(at::Tensor& o
               ": allgather_into_tensor: output has ", output.numel(), " elements, expected world size ", size_,
               " x input ", input.numel());
   auto fn = [this, output, input](OpCtx& ctx) {
-    Staged s = stage(output, false);
+    Staged s = stage(output);
     uint64_t b = nbytes(input);
     std::vector<RecvSeg> blocks;
     for (int r = 0; r < size_; ++r) blocks.push_back(RecvSeg{static_cast<uint8_t*>(s.buf.data_ptr()) + b * r, b});
@@ -934,7 +931,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall_base(at::Tensor& out
   auto in_rows = splitsOf(input, inputSplits, "input");
   auto out_rows = splitsOf(output, outputSplits, "output");
   auto fn = [this, output, input, in_rows, out_rows](OpCtx& ctx) {
-    Staged so = stage(output, false);
+    Staged so = stage(output);
     at::Tensor in = input.contiguous();
     int64_t in_row = input.dim() == 0 ? 1 : (input.size(0) ? input.numel() / input.size(0) : 0);
     int64_t out_row = output.dim() == 0 ? 1 : (output.size(0) ? output.numel() / output.size(0) : 0);
@@ -1057,7 +1054,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::scatter(std::vector<at::Tenso
       ic.push_back(t.contiguous());
       blocks.push_back(SendSeg{ic.back().data_ptr(), nbytes(ic.back())});
     }
-    Staged so = stage(out, false);
+    Staged so = stage(out);
     xirang::scatter(comm_, ctx, blocks, RecvSeg{so.buf.data_ptr(), nbytes(so.buf)}, root);
     so.finish();
   };
