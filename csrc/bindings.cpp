@@ -184,6 +184,20 @@ std::pair<at::Tensor, at::Tensor> codecAccumulateEncodeEF(const at::Tensor& in, 
 
 }  // namespace
 
+static py::dict membershipDict(xirang::ProcessGroupXirang& pg) {
+  auto m = pg.membership();
+  py::dict d;
+  d["epoch"] = m.epoch;
+  d["live"] = m.live;
+  d["ring"] = m.ring;
+  d["world_size"] = pg.getSize();
+  d["recoveries"] = m.recoveries;
+  d["last_recovery_s"] = m.last_recovery_s;
+  d["last_agreement_s"] = m.last_agreement_s;
+  d["last_failure"] = m.last_failure;
+  return d;
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "xirang: torch.distributed backend with a BF16 error-feedback ring (C++ core)";
   py::module_::import("torch.distributed");
@@ -201,6 +215,8 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("CUDA_BUILT") = false;
 #endif
+
+  py::register_exception<xirang::MembershipChanged>(m, "MembershipChanged", PyExc_RuntimeError);
 
   // Codec test hooks (tests/gpu/check_kernels.py): CPU tensors -> core/codec, CUDA -> kernels.
   m.def("_codec_encode", &codecEncode, py::arg("x"));
@@ -236,7 +252,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
                        const std::string& group_name, const std::string& algorithm, std::vector<int> ring,
                        std::vector<std::string> hosts, std::vector<std::string> racks, int global_rank,
-                       const std::string& stats_dir, const std::string& run_id) {
+                       const std::string& stats_dir, const std::string& run_id, bool elastic, double heartbeat_s) {
              xirang::XirangConfig cfg;
              cfg.group_name = group_name;
              cfg.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
@@ -247,15 +263,19 @@ PYBIND11_MODULE(_C, m) {
              cfg.global_rank = global_rank;
              cfg.stats_dir = stats_dir;
              cfg.run_id = run_id;
+             cfg.elastic = elastic;
+             cfg.heartbeat_s = heartbeat_s;
              return c10::make_intrusive<xirang::ProcessGroupXirang>(store, rank, size, cfg);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("group_name") = "",
            py::arg("algorithm") = "auto", py::arg("ring") = std::vector<int>{},
            py::arg("hosts") = std::vector<std::string>{}, py::arg("racks") = std::vector<std::string>{},
            py::arg("global_rank") = 0, py::arg("stats_dir") = "", py::arg("run_id") = "",
+           py::arg("elastic") = false, py::arg("heartbeat_s") = 1.0,
            py::call_guard<py::gil_scoped_release>(),
            "Create the backend of one group: store (c10d Store, prefixed per group by torch), group rank and\n"
-           "size, timeout in seconds, ring order (group ranks; empty = rank order), host/rack label per rank.")
+           "size, timeout in seconds, ring order (group ranks; empty = rank order), host/rack label per rank,\n"
+           "elastic mode and its heartbeat period in seconds.")
       .def("allreduce_ef", &xirang::ProcessGroupXirang::allreduceBF16EF, py::arg("buffer"), py::arg("residual"),
            py::arg("staged_residual"), py::arg("group_id") = -1, py::arg("label") = "",
            py::arg("plain") = std::vector<at::Tensor>{}, py::call_guard<py::gil_scoped_release>(),
@@ -271,5 +291,29 @@ PYBIND11_MODULE(_C, m) {
       .def("clear_records", &xirang::ProcessGroupXirang::clearRecords)
       .def_property_readonly("ring", &xirang::ProcessGroupXirang::ringOrder)
       .def_property_readonly("address", &xirang::ProcessGroupXirang::address)
-      .def_property_readonly("sequence_number", &xirang::ProcessGroupXirang::sequenceNumber);
+      .def_property_readonly("sequence_number", &xirang::ProcessGroupXirang::sequenceNumber)
+      .def_property_readonly("elastic", &xirang::ProcessGroupXirang::elastic)
+      .def("membership", &membershipDict, "Elastic membership: epoch, live (group ranks), ring, world_size, recoveries, last_recovery_s,\n"
+         "last_agreement_s (seconds) and last_failure (the reason recorded).")
+      .def("set_membership_callback", [](xirang::ProcessGroupXirang& pg, py::object fn) {
+        if (fn.is_none()) {
+          pg.setMembershipCallback(nullptr);
+          return;
+        }
+        // Held with the GIL: the callable is released on the caller's (Python) thread or under
+        // the GIL on the communication thread.
+        auto held = std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* o) {
+          py::gil_scoped_acquire g;
+          delete o;
+        });
+        auto* self = &pg;  // the callback lives inside pg
+        pg.setMembershipCallback([held, self] {
+          py::gil_scoped_acquire g;
+          try {
+            (*held)(membershipDict(*self));
+          } catch (py::error_already_set& e) {
+            e.discard_as_unraisable("xirang membership callback");
+          }
+        });
+      }, py::arg("fn"), "fn(membership dict) runs on the communication thread (with the GIL) after each ring rebuild.");
 }

@@ -10,6 +10,7 @@
 
 #include "core/codec.h"
 #include "core/env.h"
+#include "core/membership.h"
 #include "core/reduce.h"
 #include "core/topology.h"
 
@@ -22,6 +23,9 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+// Store key namespace of elastic mode's heartbeats and epoch agreements (core/membership.h).
+constexpr const char* kElasticPrefix = "xirang/elastic";
+
 // Adapts torch's c10d::Store (already prefixed per group by torch) to the transport's Store.
 class StoreAdapter : public transport::Store {
  public:
@@ -30,6 +34,12 @@ class StoreAdapter : public transport::Store {
     s_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
   }
   bool check(const std::string& key) override { return s_->check({key}); }
+  int64_t add(const std::string& key, int64_t delta) override { return s_->add(key, delta); }
+  std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) override {
+    auto v = s_->compareSet(key, std::vector<uint8_t>(expected.begin(), expected.end()),
+                            std::vector<uint8_t>(desired.begin(), desired.end()));
+    return std::string(v.begin(), v.end());
+  }
   std::string get(const std::string& key, transport::Deadline deadline) override {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() < 1) left = std::chrono::milliseconds(1);
@@ -260,6 +270,20 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
     stats_file_ = std::fopen(path.c_str(), "a");
     if (!stats_file_) env::log(env::Level::Warn, rank, "cannot open " + path + " for the stats records");
   }
+  for (int r = 0; r < size; ++r) live_.push_back(r);
+  info_.live = live_;
+  info_.ring = comm_.ring;
+  if (cfg_.elastic) {
+    TORCH_CHECK(cfg_.heartbeat_s > 0, "xirang: XIRANG_HEARTBEAT_S must be > 0, got ", cfg_.heartbeat_s);
+    if (size > 1) {
+      try {
+        store_->add(elastic::heartbeatKey(kElasticPrefix, rank), 1);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "xirang rank ", rank, ": elastic mode needs a store with add/compareSet: ", e.what());
+      }
+      hb_thread_ = std::thread([this] { heartbeatLoop(); });
+    }
+  }
   thread_ = std::thread([this] { runLoop(); });
 }
 
@@ -269,8 +293,11 @@ void ProcessGroupXirang::shutdown() {
   {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
+    hb_stop_ = true;
   }
   cv_.notify_all();
+  hb_cv_.notify_all();
+  if (hb_thread_.joinable() && hb_thread_.get_id() != std::this_thread::get_id()) hb_thread_.join();
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
   if (tcp_) tcp_->close();
   if (stats_file_) {
@@ -301,7 +328,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::enqueue(c10d::OpType type, co
                                                            const std::vector<at::Tensor>& inputs, DType dtype,
                                                            ReduceOp reduce, uint64_t numel,
                                                            std::chrono::milliseconds timeout, Fn fn, int64_t group_id,
-                                                           std::string label) {
+                                                           std::string label,
+                                                           std::function<std::function<void()>()> save) {
   checkPoisoned();
   auto work = c10::make_intrusive<WorkXirang>(rank_, type, title, std::move(outputs),
                                               std::optional<std::vector<at::Tensor>>(inputs));
@@ -324,6 +352,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::enqueue(c10d::OpType type, co
   op.ctx.reduce = reduce;
   op.ctx.numel = numel;
   op.ctx.seq = (kind == OpKind::Send) ? 0 : ++seq_;
+  if (op.ctx.seq) issued_seq_.store(op.ctx.seq);
+  op.save = std::move(save);
   op.timeout = timeout.count() < 0 ? cfg_.timeout : timeout;
   op.tls = at::ThreadLocalState();
   op.enqueued = Clock::now();
@@ -358,15 +388,31 @@ std::string ProcessGroupXirang::describe(const Op& op) const {
 }
 
 void ProcessGroupXirang::runLoop() {
-  const int64_t delay_ms = env::getInt("XIRANG_TEST_DELAY_MS");
   while (true) {
     Op op;
     {
       std::unique_lock<std::mutex> g(mu_);
-      cv_.wait(g, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_ and drained
-      op = std::move(queue_.front());
-      queue_.pop_front();
+      cv_.wait(g, [&] { return stop_ || !queue_.empty() || membership_signal_.load(); });
+      if (!queue_.empty()) {
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      } else if (stop_) {
+        return;  // stopped and drained
+      } else if (!poison_.empty()) {
+        membership_signal_ = false;  // a poisoned rank takes no part in agreements
+        continue;
+      }
+    }
+    if (!op.work) {
+      // A failure elsewhere while this rank has nothing queued: join the agreement now, so the
+      // survivors do not wait for this rank's next operation.
+      try {
+        recover("rank " + std::to_string(rank_) + " was idle");
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> g(mu_);
+        if (poison_.empty()) poison_ = "xirang rank " + std::to_string(rank_) + ": " + e.what();
+      }
+      continue;
     }
     std::exception_ptr error;
     std::string poison;
@@ -380,11 +426,12 @@ void ProcessGroupXirang::runLoop() {
       error = std::make_exception_ptr(std::runtime_error(poison));
     } else {
       try {
-        if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
         at::ThreadLocalStateGuard guard(op.tls);
-        op.ctx.deadline = start + op.timeout;
         op.ctx.phases = &ph;
-        op.fn(op.ctx);
+        runOp(op);
+      } catch (const MembershipChanged& e) {
+        env::log(env::Level::Warn, rank_, e.what());
+        error = std::current_exception();  // the group goes on: not a poison
       } catch (const std::exception& e) {
         std::string what = e.what();
         // c10::Error's what() carries a C++ backtrace; keep the message.
@@ -395,9 +442,13 @@ void ProcessGroupXirang::runLoop() {
         {
           std::lock_guard<std::mutex> g(mu_);
           if (poison_.empty()) poison_ = msg;
+          hb_stop_ = true;  // elastic: a poisoned rank stops its heartbeat and is dropped
         }
         env::log(env::Level::Warn, rank_, msg);
-        if (tcp_) tcp_->abort(msg);
+        {
+          std::lock_guard<std::mutex> g(mem_mu_);
+          if (tcp_) tcp_->abort(msg);
+        }
         error = std::make_exception_ptr(std::runtime_error(msg));
       }
     }
@@ -427,6 +478,223 @@ void ProcessGroupXirang::runLoop() {
     }
     op.work->complete(error);
   }
+}
+
+// ---------------------------------------------------------------- elastic mode (#8)
+
+void ProcessGroupXirang::runOp(Op& op) {
+  static const int64_t delay_ms = env::getInt("XIRANG_TEST_DELAY_MS");
+  if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  const uint64_t seq = op.ctx.seq;
+  if (!cfg_.elastic || size_ <= 1) {
+    op.ctx.deadline = Clock::now() + op.timeout;
+    op.fn(op.ctx);
+    return;
+  }
+  if (membership_signal_.load()) recover("a failure was reported before " + op.rec.op + " started");
+  auto voided = [&] {
+    for (const auto& [done, fence] : void_ranges_)
+      if (seq > done && seq <= fence) return true;
+    return false;
+  };
+  auto changed = [&](const std::string& why) {
+    return MembershipChanged("xirang rank " + std::to_string(rank_) + ": " + describe(op) +
+                             " was interrupted by a membership change (" + why + ", now " + membershipText(nullptr) +
+                             "); its result is void on every survivor");
+  };
+  if (seq != 0 && voided() && !op.save) throw changed("it was issued before the change");
+  if (static_cast<int>(live_.size()) < size_) {
+    const bool ok = op.ctx.op == OpKind::Allreduce || op.ctx.op == OpKind::AllreduceEF ||
+                    op.ctx.op == OpKind::Broadcast || op.ctx.op == OpKind::Barrier;
+    if (!ok)
+      throw MembershipChanged("xirang rank " + std::to_string(rank_) + ": " + describe(op) +
+                              " is not available after a membership change (" + membershipText(nullptr) +
+                              "): only allreduce, broadcast, barrier and the hook's operation run on the "
+                              "shrunken ring; create a new group over the live ranks for the others");
+  }
+  std::function<void()> restore = op.save ? op.save() : nullptr;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      if (attempt > 0 && restore) restore();
+      op.ctx.deadline = Clock::now() + op.timeout;
+      op.fn(op.ctx);
+      if (seq == 0) return;  // point-to-point: no completion round
+      done_seq_ = seq;       // this rank holds the result
+      ack(comm_, op.ctx);
+      return;
+    } catch (const transport::TransportError& e) {
+      std::string why = e.what();
+      elastic::Decision d = recover("rank " + std::to_string(rank_) + ", " + describe(op) + ": " + why);
+      if (seq != 0 && seq <= d.done_seq) return;  // every survivor holds the result
+      if (seq == 0 || !op.save)
+        throw changed("epoch " + std::to_string(d.epoch - 1) + " -> " + std::to_string(d.epoch) + ": " +
+                      info_.last_failure);
+      env::log(env::Level::Info, rank_, "retrying " + describe(op) + " on the new ring");
+    }
+  }
+}
+
+std::string ProcessGroupXirang::membershipText(const elastic::Decision* d) const {
+  std::ostringstream o;
+  const auto& live = d ? d->live : live_;
+  o << "epoch " << (d ? d->epoch : epoch_.load()) << ", live ranks [";
+  for (size_t i = 0; i < live.size(); ++i) o << (i ? " " : "") << live[i];
+  o << "] of " << size_;
+  return o.str();
+}
+
+elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
+  const auto t0 = Clock::now();
+  const uint64_t epoch = epoch_.load();
+  std::string reason = elastic::reportFailure(*store_, kElasticPrefix, epoch, why);
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    if (tcp_) tcp_->interrupt("membership change: " + reason);
+  }
+  env::log(env::Level::Warn, rank_, "epoch " + std::to_string(epoch) + " ended (" + reason + "); agreeing on the survivors");
+  elastic::Report mine{done_seq_, issued_seq_.load()};
+  elastic::HeartbeatWatch watch(*store_, kElasticPrefix,
+                                std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000)));
+  elastic::Decision d =
+      elastic::agree(*store_, kElasticPrefix, epoch, live_, rank_, mine, watch, Clock::now() + cfg_.timeout);
+  const auto t_agreed = Clock::now();
+  if (std::find(d.live.begin(), d.live.end(), rank_) == d.live.end()) {
+    std::string msg = "xirang rank " + std::to_string(rank_) + ": declared dead by the survivors of epoch " +
+                      std::to_string(epoch) + " (" + membershipText(&d) +
+                      "); this process must not take part in the group again";
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (poison_.empty()) poison_ = msg;
+      hb_stop_ = true;
+    }
+    throw transport::TransportError(msg, rank_);
+  }
+  // The new epoch's transport: a fresh listener and connections, a derived secret, only live
+  // ranks admitted; the ring keeps its (topology) order without the dead ranks.
+  transport::TcpOptions topts;
+  topts.ifname = env::get("XIRANG_SOCKET_IFNAME");
+  topts.handshake_timeout = std::chrono::milliseconds(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS"));
+  topts.key_prefix = "xirang/e" + std::to_string(d.epoch);
+  topts.members = d.live;
+  std::unique_ptr<transport::Tcp> fresh;
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    topts.key = transport::deriveKey(tcp_->key(), d.epoch);
+  }
+  fresh = std::make_unique<transport::Tcp>(rank_, size_, store_, topts, Clock::now() + cfg_.timeout);
+  std::vector<int> ring;
+  for (int r : comm_.ring)
+    if (std::find(d.live.begin(), d.live.end(), r) != d.live.end()) ring.push_back(r);
+  std::unique_ptr<transport::Tcp> old;
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    old = std::move(tcp_);
+    tcp_ = std::move(fresh);
+    comm_.tcp = tcp_.get();
+    comm_.ring = ring;
+    comm_.local_group.clear();  // the two-level plan assumed the old hosts: the ring from now on
+    comm_.cross_group.clear();
+    live_ = d.live;
+    void_ranges_.push_back({d.done_seq, d.fence});
+    info_.epoch = d.epoch;
+    info_.live = d.live;
+    info_.ring = ring;
+    info_.recoveries++;
+    info_.last_failure = reason;
+    info_.last_agreement_s = std::chrono::duration<double>(t_agreed - t0).count();
+    info_.last_recovery_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    epoch_.store(d.epoch);
+    membership_signal_ = false;
+  }
+  old->close();
+  env::log(env::Level::Warn, rank_,
+           "rebuilt the ring: " + membershipText(&d) + ", ops up to #" + std::to_string(d.done_seq) +
+               " kept, #" + std::to_string(d.done_seq + 1) + "-#" + std::to_string(d.fence) + " void; recovery " +
+               std::to_string(info_.last_recovery_s) + " s");
+  std::function<void()> cb;
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    cb = membership_cb_;
+  }
+  if (cb) cb();
+  return d;
+}
+
+// Elastic: advances this rank's heartbeat counter, watches the ring neighbours' counters, and
+// turns a failure recorded for the current epoch into an interrupt of the transport (so a
+// running exchange ends now) and a wake-up of the communication thread (so an idle rank joins
+// the agreement).
+void ProcessGroupXirang::heartbeatLoop() {
+  const auto hb = std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000));
+  const auto tick = std::max(std::chrono::milliseconds(20), hb / 5);
+  auto watch = std::make_unique<elastic::HeartbeatWatch>(*store_, kElasticPrefix, hb);
+  uint64_t watched_epoch = 0;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      if (hb_cv_.wait_for(g, tick, [&] { return hb_stop_; })) return;
+    }
+    try {
+      store_->add(elastic::heartbeatKey(kElasticPrefix, rank_), 1);
+      const uint64_t epoch = epoch_.load();
+      if (epoch != watched_epoch) {  // new ring: new neighbours, fresh clocks
+        watch = std::make_unique<elastic::HeartbeatWatch>(*store_, kElasticPrefix, hb);
+        watched_epoch = epoch;
+      }
+      if (membership_signal_.load()) continue;
+      std::vector<int> neighbours;
+      {
+        std::lock_guard<std::mutex> g(mem_mu_);
+        const int n = static_cast<int>(comm_.ring.size());
+        for (int i = 0; i < n && n > 1; ++i) {
+          if (comm_.ring[i] != rank_) continue;
+          neighbours.push_back(comm_.ring[(i + 1) % n]);
+          if (n > 2) neighbours.push_back(comm_.ring[(i + n - 1) % n]);
+        }
+      }
+      for (int p : neighbours) {
+        if (watch->stale(p)) {
+          elastic::reportFailure(*store_, kElasticPrefix, epoch,
+                                 "rank " + std::to_string(p) + " missed its heartbeats for " +
+                                     std::to_string(watch->silentFor(p)) + " s (XIRANG_HEARTBEAT_S=" +
+                                     std::to_string(cfg_.heartbeat_s) + ")");
+        }
+      }
+      if (store_->check(elastic::failKey(kElasticPrefix, epoch))) {
+        {
+          std::lock_guard<std::mutex> g(mem_mu_);
+          if (epoch_.load() != epoch) continue;
+          membership_signal_ = true;
+          if (tcp_) tcp_->interrupt("membership change reported in the store");
+        }
+        cv_.notify_all();
+      }
+    } catch (const std::exception& e) {
+      std::string msg = "xirang rank " + std::to_string(rank_) + ": elastic heartbeat: the store is unreachable (" +
+                        e.what() + "); elastic mode needs a store that outlives every failed node";
+      env::log(env::Level::Warn, rank_, msg);
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (poison_.empty()) poison_ = msg;
+      }
+      {
+        std::lock_guard<std::mutex> g(mem_mu_);
+        if (tcp_) tcp_->interrupt(msg);
+      }
+      cv_.notify_all();
+      return;
+    }
+  }
+}
+
+MembershipInfo ProcessGroupXirang::membership() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  return info_;
+}
+
+void ProcessGroupXirang::setMembershipCallback(std::function<void()> fn) {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  membership_cb_ = std::move(fn);
 }
 
 namespace {
@@ -670,8 +938,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor bu
   for (const auto& t : plain) numel += static_cast<uint64_t>(t.numel());
   std::vector<at::Tensor> outs{buffer};
   outs.insert(outs.end(), plain.begin(), plain.end());
+  // Elastic mode: the hook's op is retried on the rebuilt ring from a copy of its inputs (the
+  // residual is only read; the new one is rewritten into staged), averaged over the live ranks.
+  std::function<std::function<void()>()> save;
+  if (cfg_.elastic)
+    save = [outs]() -> std::function<void()> {
+      std::vector<at::Tensor> copies;
+      for (const auto& t : outs) copies.push_back(t.clone());
+      return [outs, copies] {
+        for (size_t i = 0; i < outs.size(); ++i) outs[i].copy_(copies[i]);
+      };
+    };
   return enqueue(c10d::OpType::ALLREDUCE, groupTitle(group_id), OpKind::AllreduceEF, outs, outs, DType::Float32,
-                 ReduceOp::Avg, numel, c10d::kUnsetTimeout, fn, group_id, std::move(label));
+                 ReduceOp::Avg, numel, c10d::kUnsetTimeout, fn, group_id, std::move(label), std::move(save));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Tensor>& tensors,
@@ -694,6 +973,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Ten
   at::Tensor t = tensors[0];
   int root = static_cast<int>(opts.rootRank);
   auto fn = [this, t, root](OpCtx& ctx) {
+    if (std::find(comm_.ring.begin(), comm_.ring.end(), root) == comm_.ring.end())
+      throw MembershipChanged("xirang rank " + std::to_string(rank_) + ": broadcast: root rank " +
+                              std::to_string(root) + " is not live (" + membershipText(nullptr) + ")");
     Staged s = stage(t);
     xirang::broadcast(comm_, ctx, s.buf.data_ptr(), nbytes(s.buf), root);
     if (rank_ != root) s.finish();

@@ -11,6 +11,7 @@
 // operation raises it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <condition_variable>
@@ -28,6 +29,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "core/collectives.h"
+#include "core/membership.h"
 #include "core/transport/tcp.h"
 #ifdef XIRANG_WITH_CUDA
 #include "cuda/cuda_stage.h"
@@ -69,6 +71,26 @@ struct XirangConfig {
   int global_rank = 0;
   std::string stats_dir;            // XIRANG_STATS_DIR ("" = off)
   std::string run_id;
+  bool elastic = false;             // XIRANG_ELASTIC / Options(elastic=True)
+  double heartbeat_s = 1.0;         // XIRANG_HEARTBEAT_S
+};
+
+// Raised (Python: xirang.MembershipChanged, a RuntimeError) by every operation that was in
+// flight when an elastic group lost a rank: its result is void on every survivor.
+class MembershipChanged : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// What an elastic group's membership is now (see ProcessGroupXirang::membership()).
+struct MembershipInfo {
+  uint64_t epoch = 0;
+  std::vector<int> live;         // group ranks, ascending
+  std::vector<int> ring;         // live ranks in ring order
+  uint64_t recoveries = 0;
+  double last_recovery_s = 0;    // failure noticed -> new ring ready, seconds
+  double last_agreement_s = 0;   // of which the agreement through the store
+  std::string last_failure;      // the reason recorded for the last failure
 };
 
 class WorkXirang : public c10d::Work {
@@ -169,9 +191,15 @@ class ProcessGroupXirang : public c10d::Backend {
   // This rank's operation records (bounded ring buffer, oldest first) and clearing them.
   std::vector<OpRecord> records();
   void clearRecords();
-  const std::vector<int>& ringOrder() const { return comm_.ring; }
+  std::vector<int> ringOrder() { return membership().ring; }
   std::string address() const { return tcp_ ? tcp_->address() : ""; }
   uint64_t sequenceNumber() const { return seq_; }
+
+  // Elastic mode (#8). membership(): the current epoch, live ranks and last recovery.
+  MembershipInfo membership();
+  // fn runs on the communication thread after every rebuild (before the next op runs).
+  void setMembershipCallback(std::function<void()> fn);
+  bool elastic() const { return cfg_.elastic; }
 
  private:
   using Fn = std::function<void(OpCtx&)>;
@@ -183,17 +211,28 @@ class ProcessGroupXirang : public c10d::Backend {
     at::ThreadLocalState tls;
     OpRecord rec;
     std::chrono::steady_clock::time_point enqueued;
+    // Elastic mode: save() snapshots the inputs and returns their restore; an op that has one
+    // is retried on the new ring instead of raising MembershipChanged (the hook's op).
+    std::function<std::function<void()>()> save;
   };
 
   // Prepares an Op and queues it; returns its Work.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, transport::OpKind kind,
                                          std::vector<at::Tensor> outputs, const std::vector<at::Tensor>& inputs,
                                          DType dtype, ReduceOp reduce, uint64_t numel, std::chrono::milliseconds timeout,
-                                         Fn fn, int64_t group_id = -1, std::string label = "");
+                                         Fn fn, int64_t group_id = -1, std::string label = "",
+                                         std::function<std::function<void()>()> save = nullptr);
   void writeRecord(const OpRecord& r);
   void runLoop();
   void checkPoisoned();
   std::string describe(const Op& op) const;
+  // Runs op.fn; in elastic mode also the ack round, recovery, retry and the void-range rule.
+  void runOp(Op& op);
+  // Elastic: agrees with the survivors on the next epoch and rebuilds the transport and ring.
+  // Throws TransportError if this rank was declared dead or the store is unreachable.
+  elastic::Decision recover(const std::string& why);
+  void heartbeatLoop();
+  std::string membershipText(const elastic::Decision* d) const;
 
   XirangConfig cfg_;
   std::shared_ptr<transport::Store> store_;
@@ -213,6 +252,21 @@ class ProcessGroupXirang : public c10d::Backend {
   size_t record_capacity_ = 65536;
   std::chrono::steady_clock::time_point created_;
   FILE* stats_file_ = nullptr;
+
+  // Elastic state. live_/comm_.ring/tcp_ change on the communication thread only, under mem_mu_
+  // (the heartbeat thread interrupts tcp_ and reads the ring under it).
+  std::mutex mem_mu_;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<uint64_t> issued_seq_{0};
+  std::atomic<bool> membership_signal_{false};
+  std::vector<int> live_;
+  uint64_t done_seq_ = 0;                                   // communication thread
+  std::vector<std::pair<uint64_t, uint64_t>> void_ranges_;  // (done_seq, fence] per decision
+  MembershipInfo info_;
+  std::function<void()> membership_cb_;
+  std::thread hb_thread_;
+  bool hb_stop_ = false;  // under mu_
+  std::condition_variable hb_cv_;
 
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;

@@ -527,4 +527,20 @@ void scatter(const Comm& comm, const OpCtx& ctx, const std::vector<SendSeg>& blo
   if (ctx.phases) ctx.phases->algorithm = "direct";
 }
 
+void ack(const Comm& comm, const OpCtx& ctx) {
+  if (comm.size() <= 1) return;
+  OpCtx c = ctx;
+  c.op = transport::OpKind::Ack;
+  c.phases = nullptr;  // not part of the operation's traffic in the stats
+  const FrameHeader h = headerFor(c, 0);
+  std::vector<SendJob> sends;
+  std::vector<RecvJob> recvs;
+  for (int r : comm.ring) {
+    if (r == comm.rank) continue;
+    sends.push_back(SendJob{r, h, {}});
+    recvs.push_back(RecvJob{r, h, {}, nullptr});
+  }
+  runExchange(comm, c, sends, recvs);
+}
+
 }  // namespace xirang

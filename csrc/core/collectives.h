@@ -130,4 +130,9 @@ void gather(const Comm& comm, const OpCtx& ctx, transport::SendSeg mine,
 void scatter(const Comm& comm, const OpCtx& ctx, const std::vector<transport::SendSeg>& blocks,
              transport::RecvSeg mine, int root);
 
+// Elastic mode's completion round: every member sends an empty Ack frame (op Ack, ctx.seq) to
+// every other member and receives one from each. A rank sends its ack only once it holds the
+// operation's result, so a rank that receives all of them knows every member holds it.
+void ack(const Comm& comm, const OpCtx& ctx);
+
 }  // namespace xirang

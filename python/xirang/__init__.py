@@ -75,10 +75,52 @@ def stats(process_group=None, gather: bool = False):
     return out
 
 
+def membership(process_group=None) -> dict:
+    """Elastic membership of `process_group` (default group) as this rank sees it.
+
+    Returns a dict: epoch (0 until the first failure), live (group ranks still in the ring,
+    ascending), ring (live ranks in ring order), world_size (the group's original size),
+    recoveries, last_recovery_s (seconds from noticing the failure to the rebuilt ring),
+    last_agreement_s (of which the agreement through the store), last_failure (the reason).
+    """
+    return dict(_backend_for(process_group).membership())
+
+
+def on_membership_change(fn, process_group=None) -> None:
+    """Call fn(membership_dict) after every ring rebuild of `process_group` (default group).
+
+    fn runs on xirang's communication thread, with the GIL, before the group's next operation
+    runs: keep it short (e.g. record the live ranks for the data loader to re-shard at the next
+    step) and do not issue collectives from it. Exceptions are reported as unraisable. fn=None
+    removes the callback.
+    """
+    _backend_for(process_group).set_membership_callback(fn)
+
+
+def __getattr__(name):
+    # xirang.MembershipChanged lives in the extension; load it only when asked for.
+    if name == "MembershipChanged":
+        from ._backend import load_C
+
+        return load_C().MembershipChanged
+    raise AttributeError(f"module 'xirang' has no attribute {name!r}")
+
+
 try:  # the hook is pure Python over the backend; keep import of the package cheap if absent
     from . import hooks  # noqa: E402
     from .hooks import register_comm_hook  # noqa: E402,F401
 except ImportError:  # pragma: no cover
     pass
 
-__all__ = ["Options", "TorchVersionMismatch", "build_info", "env_knobs", "stats", "register_comm_hook", "hooks"]
+__all__ = [
+    "Options",
+    "TorchVersionMismatch",
+    "MembershipChanged",
+    "build_info",
+    "env_knobs",
+    "stats",
+    "membership",
+    "on_membership_change",
+    "register_comm_hook",
+    "hooks",
+]

@@ -51,13 +51,19 @@ class Options:
             "auto" defers to XIRANG_ALGO.
         ring_order: "topology" (sorted by rack, host, rank; labels from XIRANG_HOST/XIRANG_RACK/
             XIRANG_TOPOLOGY_FILE) or "rank"; None defers to XIRANG_RING_ORDER (default topology).
-        elastic: reserved for fault-tolerant mode (XIRANG_ELASTIC); must be False for now.
+        elastic: elastic mode (#8; also XIRANG_ELASTIC=1): when a rank is lost the survivors agree
+            through the store on the live ranks, rebuild the ring without it and go on; operations
+            in flight raise xirang.MembershipChanged (the comm hook's own operation is retried on
+            the new ring). None defers to XIRANG_ELASTIC. See README "Elastic mode".
+        heartbeat_s: elastic mode: a rank whose store heartbeat is silent this long (seconds) is
+            declared failed; None defers to XIRANG_HEARTBEAT_S (default 1.0).
     """
 
     timeout: Optional[Union[float, timedelta]] = None
     algorithm: str = "auto"
     ring_order: Optional[str] = None
-    elastic: bool = False
+    elastic: Optional[bool] = None
+    heartbeat_s: Optional[float] = None
 
     def __post_init__(self):
         if self.algorithm not in ("auto", "ring", "direct", "two_level"):
@@ -66,8 +72,17 @@ class Options:
             )
         if self.ring_order not in (None, "topology", "rank"):
             raise ValueError(f"xirang.Options: ring_order must be topology or rank, got {self.ring_order!r}")
-        if self.elastic:
-            raise NotImplementedError("xirang.Options(elastic=True): elastic mode is not implemented yet")
+        if self.heartbeat_s is not None and not self.heartbeat_s > 0:
+            raise ValueError(f"xirang.Options: heartbeat_s must be > 0 seconds, got {self.heartbeat_s!r}")
+
+
+def _env_flag(name: str) -> bool:
+    v = os.environ.get(name, "0").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name} must be 0 or 1, got {os.environ[name]!r}")
 
 
 def _labels() -> tuple:
@@ -89,11 +104,16 @@ def _labels() -> tuple:
 def create(dist_backend_opts, backend_options):
     C = load_C()
     opts = backend_options if isinstance(backend_options, Options) else Options()
-    if os.environ.get("XIRANG_ELASTIC", "0").lower() not in ("", "0", "false", "no", "off"):
-        raise NotImplementedError(
-            "XIRANG_ELASTIC is set, but xirang has no elastic mode yet: a lost rank fails the job "
-            "(every survivor raises within about 2 s). Unset XIRANG_ELASTIC."
-        )
+    elastic = _env_flag("XIRANG_ELASTIC") if opts.elastic is None else bool(opts.elastic)
+    heartbeat_s = opts.heartbeat_s
+    if heartbeat_s is None:
+        raw = os.environ.get("XIRANG_HEARTBEAT_S") or "1.0"
+        try:
+            heartbeat_s = float(raw)
+        except ValueError:
+            raise ValueError(f"XIRANG_HEARTBEAT_S must be a number of seconds, got {raw!r}") from None
+        if not heartbeat_s > 0:
+            raise ValueError(f"XIRANG_HEARTBEAT_S must be > 0 seconds, got {raw!r}")
     timeout = dist_backend_opts.timeout.total_seconds()
     if opts.timeout is not None:
         timeout = opts.timeout.total_seconds() if isinstance(opts.timeout, timedelta) else float(opts.timeout)
@@ -135,6 +155,8 @@ def create(dist_backend_opts, backend_options):
         global_rank,
         stats_dir,
         run_id,
+        elastic,
+        heartbeat_s,
     )
 
 

@@ -45,6 +45,24 @@ class MemStore : public tp::Store {
       throw std::runtime_error("MemStore: timed out waiting for key " + key);
     return kv_.at(key);
   }
+  bool check(const std::string& key) override { return has(key); }
+  int64_t add(const std::string& key, int64_t delta) override {
+    std::lock_guard<std::mutex> g(mu_);
+    int64_t v = kv_.count(key) ? std::stoll(kv_[key]) : 0;
+    kv_[key] = std::to_string(v + delta);
+    return v + delta;
+  }
+  std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) override {
+    std::string out;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = kv_.find(key);
+      if ((it == kv_.end() && expected.empty()) || (it != kv_.end() && it->second == expected)) kv_[key] = desired;
+      out = kv_[key];
+    }
+    cv_.notify_all();
+    return out;
+  }
   bool has(const std::string& key) {
     std::lock_guard<std::mutex> g(mu_);
     return kv_.count(key) != 0;

@@ -40,7 +40,8 @@ def test_options_timeout_accepts_timedelta_and_seconds():
     ("XIRANG_SEGMENT_BYTES", "0", "XIRANG_SEGMENT_BYTES=0 is too small"),
     ("XIRANG_SEGMENT_BYTES", "abc", "XIRANG_SEGMENT_BYTES='abc' is not an integer"),
     ("XIRANG_ALGO", "bogus", "must be auto, ring, direct or two_level"),
-    ("XIRANG_ELASTIC", "1", "no elastic mode yet"),
+    ("XIRANG_ELASTIC", "maybe", "XIRANG_ELASTIC must be 0 or 1"),
+    ("XIRANG_HEARTBEAT_S", "0", "XIRANG_HEARTBEAT_S must be > 0"),
 ])
 def test_bad_knobs_fail_group_creation_clearly(knob, value, pattern):
     out = _run(

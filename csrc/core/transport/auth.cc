@@ -97,4 +97,14 @@ Key128 keyFromHex(const std::string& hex) {
   return k;
 }
 
+Key128 deriveKey(const Key128& k, uint64_t epoch) {
+  Key128 out{};
+  for (uint64_t half = 0; half < 2; ++half) {
+    const uint64_t msg[3] = {0x7869726e67ULL /* "xirng" */, epoch, half};
+    uint64_t h = siphash24(k, msg, sizeof(msg));
+    std::memcpy(out.data() + 8 * half, &h, 8);
+  }
+  return out;
+}
+
 }  // namespace xirang::transport

@@ -19,6 +19,10 @@ uint64_t siphash24(const Key128& key, const void* data, size_t len);
 Key128 randomKey();
 uint64_t randomU64();
 
+// The secret of epoch `epoch` of a group whose secret is `k` (elastic mode): two SipHash-2-4
+// outputs of the epoch under k. Computable only by members of the original group.
+Key128 deriveKey(const Key128& k, uint64_t epoch);
+
 std::string keyToHex(const Key128& k);
 // Throws std::invalid_argument if `hex` is not 32 hex digits.
 Key128 keyFromHex(const std::string& hex);

@@ -18,6 +18,7 @@ const char* opKindName(OpKind k) {
     case OpKind::Barrier: return "barrier";
     case OpKind::Send: return "send";
     case OpKind::AllreduceEF: return "allreduce_bf16_ef";
+    case OpKind::Ack: return "ack";
   }
   return "unknown";
 }

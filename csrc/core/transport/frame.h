@@ -34,6 +34,7 @@ enum class OpKind : uint8_t {
   Barrier = 9,
   Send = 10,
   AllreduceEF = 11,
+  Ack = 12,  // elastic mode: "I hold this op's result" (empty frame to every live rank)
 };
 const char* opKindName(OpKind k);
 

@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -20,6 +21,25 @@
 namespace xirang::transport {
 
 namespace {
+
+// XIRANG_TEST_DIE_AFTER_SEGMENTS=k[@r] (test only): the process (only group rank r's, with @r)
+// kills itself, as a crashed machine would vanish, right after sending its k-th data frame with
+// a payload (#8's failure injection).
+void dieAfterSegmentsHook(int rank, uint64_t payload) {
+  static const std::pair<int64_t, int> knob = [] {
+    std::string v = env::get("XIRANG_TEST_DIE_AFTER_SEGMENTS");
+    size_t at = v.find('@');
+    try {
+      return std::make_pair(static_cast<int64_t>(std::stoll(v.substr(0, at))),
+                            at == std::string::npos ? -1 : std::stoi(v.substr(at + 1)));
+    } catch (const std::exception&) {
+      return std::make_pair(int64_t{0}, -1);
+    }
+  }();
+  static std::atomic<int64_t> sent{0};
+  if (knob.first <= 0 || payload == 0 || (knob.second >= 0 && knob.second != rank)) return;
+  if (++sent >= knob.first) ::kill(::getpid(), SIGKILL);
+}
 
 constexpr uint8_t kHelloMagic[4] = {'X', 'R', 'H', 'S'};
 constexpr size_t kHelloBytes = 20;  // magic4 version2 channel1 pad1 rank4 nonce8
@@ -212,7 +232,9 @@ int connectTo(const std::string& address, Deadline deadline, int peer, const std
 Tcp::Tcp(int rank, int size, std::shared_ptr<Store> store, TcpOptions opts, Deadline deadline)
     : rank_(rank), size_(size), store_(std::move(store)), opts_(std::move(opts)) {
   if (size_ <= 1) return;
-  if (rank_ == 0) {
+  if (opts_.key) {
+    key_ = *opts_.key;
+  } else if (rank_ == 0) {
     key_ = randomKey();
     store_->set(opts_.key_prefix + "/secret", keyToHex(key_));
   }
@@ -221,7 +243,7 @@ Tcp::Tcp(int rank, int size, std::shared_ptr<Store> store, TcpOptions opts, Dead
     ::close(listen_fd_);
     throw TransportError("xirang: pipe failed: " + errnoStr(errno), -1);
   }
-  if (rank_ != 0) {
+  if (rank_ != 0 && !opts_.key) {
     try {
       key_ = keyFromHex(store_->get(opts_.key_prefix + "/secret", deadline));
     } catch (const std::exception& e) {
@@ -274,7 +296,21 @@ void Tcp::close() {
   }
 }
 
+void Tcp::interrupt(const std::string& why) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (abort_reason_.empty()) abort_reason_ = why.empty() ? "interrupted" : why;
+  closed_ = true;
+  for (auto& kv : out_fds_) ::shutdown(kv.second, SHUT_RDWR);
+  for (auto& kv : in_fds_) ::shutdown(kv.second, SHUT_RDWR);
+  for (int fd : pending_fds_) ::shutdown(fd, SHUT_RDWR);
+  cv_.notify_all();
+}
+
 void Tcp::checkStoreAbort(int peer) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_) throw TransportError("transport closed: " + abort_reason_, peer);
+  }
   if (!store_) return;
   const std::string key = opts_.key_prefix + "/abort";
   bool aborted = false;
@@ -386,6 +422,10 @@ bool Tcp::serverHandshake(int fd, int* peer_out, std::string* why) {
     *why = "peer claims invalid rank " + std::to_string(peer);
     return false;
   }
+  if (!opts_.members.empty() && std::find(opts_.members.begin(), opts_.members.end(), peer) == opts_.members.end()) {
+    *why = "rank " + std::to_string(peer) + " is not a live member of this epoch (it was declared dead)";
+    return false;
+  }
   uint64_t snonce = randomU64();
   uint64_t msg[4] = {0x53ULL, cnonce, snonce, (static_cast<uint64_t>(rank_) << 32) | static_cast<uint32_t>(peer)};
   uint64_t reply[2] = {snonce, siphash24(key_, msg, sizeof(msg))};
@@ -402,7 +442,16 @@ bool Tcp::serverHandshake(int fd, int* peer_out, std::string* why) {
 }
 
 int Tcp::clientConnect(int peer, Deadline deadline) {
-  std::string addr = store_->get(opts_.key_prefix + "/addr/" + std::to_string(peer), deadline);
+  const std::string addr_key = opts_.key_prefix + "/addr/" + std::to_string(peer);
+  // Poll rather than block in the store until the deadline: an abort or interrupt must end the
+  // wait for a peer that will never publish its address.
+  while (!store_->check(addr_key)) {
+    checkStoreAbort(peer);
+    if (Clock::now() >= deadline)
+      throw TimeoutError("rank " + std::to_string(peer) + " never published its address", peer);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::string addr = store_->get(addr_key, deadline);
   int fd = connectTo(addr, deadline, peer, [this, peer] { checkStoreAbort(peer); });
   setNonBlocking(fd, true);
   Deadline hs = std::min(deadline, Clock::now() + opts_.handshake_timeout);
@@ -760,6 +809,7 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
             throw TransportError("send to rank " + std::to_string(s.peer) + " failed: " + errnoStr(errno), s.peer);
           }
           if (s.hdr_off == kHeaderBytes && s.pay_off == f.bytes) {
+            dieAfterSegmentsHook(rank_, f.bytes);
             sent_payload += f.bytes;
             s.bytes_done += f.bytes;
             s.cur++;

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -40,6 +41,18 @@ class Store {
   virtual std::string get(const std::string& key, Deadline deadline) = 0;
   // Whether `key` exists now (no waiting). Throws if the store cannot be reached.
   virtual bool check(const std::string& key) { (void)key; return false; }
+  // Atomically adds `delta` to the integer at `key` (missing: 0) and returns the new value.
+  // Elastic mode only (heartbeats); the default throws.
+  virtual int64_t add(const std::string& key, int64_t delta) {
+    (void)key, (void)delta;
+    throw std::runtime_error("this store does not support add");
+  }
+  // c10d's compareSet: sets `key` to `desired` if its value is `expected` ("" = missing) and
+  // returns the value the key holds afterwards. Elastic mode only (the epoch decision).
+  virtual std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) {
+    (void)key, (void)expected, (void)desired;
+    throw std::runtime_error("this store does not support compareSet");
+  }
 };
 
 // Base of every transport failure. `peer` is the rank involved (-1 if none).
@@ -97,6 +110,10 @@ struct TcpOptions {
   std::string ifname;                                  // XIRANG_SOCKET_IFNAME
   std::chrono::milliseconds handshake_timeout{10000};  // per connection
   std::string key_prefix = "xirang";                   // store key namespace
+  // Elastic mode's later epochs: the group secret is derived, not exchanged (deriveKey), and
+  // only the epoch's live ranks may connect (empty = every rank of the group).
+  std::optional<Key128> key;
+  std::vector<int> members;
 };
 
 class Tcp {
@@ -111,6 +128,7 @@ class Tcp {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  const Key128& key() const { return key_; }
   // "ip:port" this rank listens on ("" for size 1).
   const std::string& address() const { return address_; }
 
@@ -136,6 +154,11 @@ class Tcp {
   void abort(const std::string& why);
   // Closes everything and joins the accept thread. Idempotent.
   void close();
+  // Callable from any thread: marks the transport closed with `why` and shuts every socket
+  // down (without closing the fds another thread may be polling), so a running exchange,
+  // connect or waitAnySource throws TransportError at once and peers see the connections end.
+  // The owner still calls close(). Elastic mode uses it when the membership changes.
+  void interrupt(const std::string& why);
 
   // Payload bytes sent since creation (headers excluded) and header bytes, for the stats.
   uint64_t payloadBytesSent() const { return payload_sent_.load(); }

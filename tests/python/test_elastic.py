@@ -1,0 +1,351 @@
+"""Elastic mode (#8): a lost rank is dropped, survivors agree on a new ring and go on.
+
+Each test spawns its own ranks (a dedicated ``mp_pool.Pool``; the c10d store lives in the test
+process, so it outlives every rank) and kills some of them: with the test-only knob
+XIRANG_TEST_DIE_AFTER_SEGMENTS=k@r (rank r SIGKILLs itself after sending k data frames) or
+with os.kill. Values are checked against references computed in the test from the inputs of
+the ranks that survived.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mp_pool
+
+pytestmark = [pytest.mark.xirang_only, pytest.mark.dedicated, pytest.mark.slow]
+
+MiB = 1 << 20
+
+
+def _xirang():
+    import xirang
+
+    return xirang
+
+
+def _retrying(fn, t):
+    """The hook's strategy for a plain caller: keep a copy of the input and, when the op raises
+    MembershipChanged, restore it and issue the op again on the rebuilt ring."""
+    X = _xirang()
+    saved = t.clone()
+    tries = 0
+    while True:
+        try:
+            fn(t)
+            return tries
+        except X.MembershipChanged:
+            tries += 1
+            t.copy_(saved)
+            if tries > 5:
+                raise
+
+
+def _ints(seed: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1000, 1000, (n,), generator=g).float()  # sums exact in fp32
+
+
+# ---------------------------------------------------------------- killed mid-allreduce
+def w_killed_mid_allreduce():
+    X = _xirang()
+    me = dist.get_rank()
+    dist.barrier()
+    t = torch.full((16 * MiB,), float(me + 1))  # 64 MiB of float32
+    t0 = time.perf_counter()
+    tries = _retrying(dist.all_reduce, t)
+    t_done = time.perf_counter()
+    m = X.membership()
+    first_ok = bool(torch.all(t == float(sum(r + 1 for r in m["live"]))))
+    first_val = float(t[0])
+    # The next 10 allreduces on the rebuilt ring, checked against the live ranks' inputs.
+    later = []
+    for i in range(10):
+        n = 1000 + 37 * i
+        x = _ints(100 * i + me, n)
+        dist.all_reduce(x)
+        ref = sum(_ints(100 * i + r, n) for r in m["live"])
+        later.append(bool(torch.equal(x, ref)))
+    return dict(tries=tries, membership=m, first_ok=first_ok, first_val=first_val, later=later,
+                op_s=t_done - t0)
+
+
+@pytest.mark.parametrize("phase,frames", [("scatter_reduce", 10), ("allgather", 70)])
+def test_killed_mid_64mib_allreduce(phase, frames):
+    # WS=4 ring, 1 MiB segments: each rank sends 48 data frames in scatter-reduce, then 48 in
+    # allgather (plus one for the barrier before), so frame 10 is in the first, 70 in the second.
+    env = dict(XIRANG_ELASTIC="1", XIRANG_ALGO="ring", XIRANG_SEGMENT_BYTES=str(MiB),
+               XIRANG_TEST_DIE_AFTER_SEGMENTS=f"{frames}@2", XIRANG_HEARTBEAT_S="1.0")
+    with mp_pool.Pool(4, "xirang", timeout_s=60, env=env) as pool:
+        res = pool.run(w_killed_mid_allreduce, allow_exit=[2], timeout=120)
+    assert isinstance(res[2], mp_pool.Exited)
+    for r in (0, 1, 3):
+        d = res[r]
+        m = d["membership"]
+        print(f"{phase}: rank {r}: tries={d['tries']} value={d['first_val']} epoch={m['epoch']} "
+              f"live={m['live']} recovery={m['last_recovery_s']:.3f} s "
+              f"(agreement {m['last_agreement_s']:.3f} s), failed op took {d['op_s']:.2f} s")
+        assert m["live"] == [0, 1, 3] and m["epoch"] == 1, m
+        assert d["first_val"] == 1 + 2 + 4, f"rank {r}: {d['first_val']} is not the survivors' sum 7"
+        assert d["first_ok"]
+        assert d["later"] == [True] * 10
+        assert m["last_recovery_s"] < 5.0
+    assert len({res[r]["tries"] for r in (0, 1, 3)}) == 1, "survivors disagree on whether the op completed"
+
+
+# ---------------------------------------------------------------- the hook's op retries itself
+def w_hook_op_retried():
+    X = _xirang()
+    from xirang._backend import backend_for
+
+    be = backend_for()
+    me = dist.get_rank()
+    n = 4 * MiB
+    dist.barrier()
+    buf = torch.full((n,), float(me + 1))
+    res, staged = torch.zeros(n), torch.zeros(n)
+    bias = torch.full((1000,), float(10 * (me + 1)), dtype=torch.float64)
+    work = be.allreduce_ef(buf, res, staged, 0, label="g0", plain=[bias])
+    work.wait()  # rank 2 dies inside it: retried on the new ring, no exception
+    return dict(buf=buf, bias=float(bias[0]), m=X.membership())
+
+
+def test_hook_op_retried_on_new_ring():
+    env = dict(XIRANG_ELASTIC="1", XIRANG_ALGO="ring", XIRANG_SEGMENT_BYTES=str(256 << 10),
+               XIRANG_TEST_DIE_AFTER_SEGMENTS="6@2")
+    with mp_pool.Pool(4, "xirang", timeout_s=60, env=env) as pool:
+        res = pool.run(w_hook_op_retried, allow_exit=[2], timeout=120)
+    mean = (1 + 2 + 4) / 3
+    for r in (0, 1, 3):
+        d = res[r]
+        assert d["m"]["live"] == [0, 1, 3]
+        # BF16 on the wire: the average of the survivors within bf16 rounding; the plain fp64
+        # tensor exactly (10+20+40)/3.
+        # Each of the 3 survivors' partial sums is rounded to bf16 once on the ring.
+        err = float((d["buf"] - mean).abs().max())
+        assert err <= 3 * mean * 2 ** -8, f"rank {r}: max error {err} vs the survivors' mean {mean}"
+        assert d["bias"] == pytest.approx(70 / 3, rel=1e-12)
+        assert torch.equal(d["buf"], res[0]["buf"]), f"rank {r}'s result differs from rank 0's"
+
+
+# ---------------------------------------------------------------- two failures at once
+def w_two_die():
+    X = _xirang()
+    me = dist.get_rank()
+    mp_pool.W.store.set(f"pid{me}", str(os.getpid()))
+    dist.barrier()
+    if me in (1, 3):
+        x = torch.ones(4 * MiB)
+        if me == 3:
+            os.kill(int(mp_pool.W.store.get("pid1").decode()), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(x)  # rank 1 is killed by rank 3 around here
+        time.sleep(60)
+    results = []
+    for i in range(5):
+        n = 2 * MiB + i
+        x = _ints(7 * i + me, n)
+        tries = _retrying(dist.all_reduce, x)
+        live = X.membership()["live"]
+        results.append((tries, bool(torch.equal(x, sum(_ints(7 * i + r, n) for r in live)))))
+    return dict(m=X.membership(), results=results)
+
+
+def test_two_failures_at_once():
+    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="1.0")
+    with mp_pool.Pool(5, "xirang", timeout_s=60, env=env) as pool:
+        res = pool.run(w_two_die, allow_exit=[1, 3], timeout=120)
+    for r in (0, 2, 4):
+        d = res[r]
+        print(f"rank {r}: {d['m']}")
+        assert d["m"]["live"] == [0, 2, 4], d["m"]
+        assert all(ok for _, ok in d["results"]), d["results"]
+    assert len({str(res[r]["results"]) for r in (0, 2, 4)}) == 1
+
+
+# ---------------------------------------------------------------- a failure during the rebuild
+def w_fail_during_rebuild():
+    X = _xirang()
+    me = dist.get_rank()
+    if me == 1:
+        # Rank 1 dies the moment the first rebuild is done, while the others may still be
+        # connecting to the new ring: a second membership change right after the first.
+        X.on_membership_change(lambda m: os.kill(os.getpid(), signal.SIGKILL))
+    dist.barrier()
+    out = []
+    for i in range(6):
+        n = MiB + i
+        x = _ints(11 * i + me, n)
+        tries = _retrying(dist.all_reduce, x)
+        live = X.membership()["live"]
+        out.append((tries, bool(torch.equal(x, sum(_ints(11 * i + r, n) for r in live)))))
+    return dict(m=X.membership(), out=out)
+
+
+def test_failure_during_rebuild():
+    env = dict(XIRANG_ELASTIC="1", XIRANG_ALGO="ring", XIRANG_SEGMENT_BYTES=str(256 << 10),
+               XIRANG_TEST_DIE_AFTER_SEGMENTS="3@2")
+    with mp_pool.Pool(4, "xirang", timeout_s=60, env=env) as pool:
+        res = pool.run(w_fail_during_rebuild, allow_exit=[1, 2], timeout=120)
+    for r in (0, 3):
+        d = res[r]
+        print(f"rank {r}: {d['m']}")
+        assert d["m"]["live"] == [0, 3]
+        assert d["m"]["epoch"] == 2 and d["m"]["recoveries"] == 2
+        assert all(ok for _, ok in d["out"]), d["out"]
+
+
+# ---------------------------------------------------------------- declared dead, then back
+def w_stopped_rank_comes_back():
+    X = _xirang()
+    me = dist.get_rank()
+    mp_pool.W.store.set(f"pid{me}", str(os.getpid()))
+    dist.barrier()
+    if me == 0:
+        pid3 = int(mp_pool.W.store.get("pid3").decode())
+        os.kill(pid3, signal.SIGSTOP)  # rank 3 freezes: no heartbeats, no traffic
+        mp_pool.W.store.set("stopped", "1")
+    else:
+        mp_pool.W.store.wait(["stopped"])
+    if me == 3:  # runs after SIGCONT: it was dropped meanwhile
+        time.sleep(0.5)
+        try:
+            dist.all_reduce(torch.ones(8))
+            return dict(err=None)
+        except RuntimeError as e:
+            return dict(err=str(e))
+    x = torch.ones(1 << 16)
+    tries = _retrying(dist.all_reduce, x)
+    m = X.membership()
+    if me == 0:
+        os.kill(int(mp_pool.W.store.get("pid3").decode()), signal.SIGCONT)
+    return dict(m=m, tries=tries, val=float(x[0]))
+
+
+def test_declared_dead_rank_gets_clear_error():
+    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="0.5")
+    with mp_pool.Pool(4, "xirang", timeout_s=30, env=env) as pool:
+        res = pool.run(w_stopped_rank_comes_back, timeout=120)
+    for r in (0, 1, 2):
+        assert res[r]["m"]["live"] == [0, 1, 2], res[r]
+        assert res[r]["val"] == 3.0
+    err = res[3]["err"]
+    assert err is not None and "declared dead" in err, err
+
+
+# ---------------------------------------------------------------- elastic off: fail fast
+def w_not_elastic():
+    dist.barrier()
+    if dist.get_rank() == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(MiB))
+        return dict(err=None)
+    except Exception as e:  # noqa: BLE001
+        return dict(err=mp_pool.exc_info(e), elapsed=time.perf_counter() - t0)
+
+
+def test_without_elastic_survivors_raise_fast():
+    with mp_pool.Pool(3, "xirang", timeout_s=60, env=dict(XIRANG_ELASTIC="0")) as pool:
+        res = pool.run(w_not_elastic, allow_exit=[2], timeout=60)
+    for r in (0, 1):
+        assert res[r]["err"] is not None and res[r]["err"].is_runtime_error
+        assert not res[r]["err"].isinstance_of("MembershipChanged")
+        assert res[r]["elapsed"] < 5.0
+
+
+# ---------------------------------------------------------------- DDP + hook, a rank killed at step 20
+STEPS, KILL_AT, DIM = 60, 20, 64
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(DIM, DIM), torch.nn.Tanh())],
+                               torch.nn.Linear(DIM, 1))
+
+
+def _batch(step: int, shard: int, n_shards: int, bs: int = 96):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(bs, DIM, generator=g)
+    y = torch.sin(x[:, :4].sum(1, keepdim=True))
+    per = bs // n_shards
+    return x[shard * per:(shard + 1) * per], y[shard * per:(shard + 1) * per]
+
+
+def _eval_loss(model):
+    g = torch.Generator().manual_seed(99999)
+    x = torch.randn(512, DIM, generator=g)
+    y = torch.sin(x[:, :4].sum(1, keepdim=True))
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x), y))
+
+
+def _train(ddp, opt, first, last, live, me, ckpt=None, die_rank=None):
+    for step in range(first, last):
+        if ckpt and step == KILL_AT and me == 0:
+            torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict()}, ckpt)
+        if die_rank is not None and step == KILL_AT:
+            mp_pool.W.store.set("ckpt_saved", "1") if me == 0 else mp_pool.W.store.wait(["ckpt_saved"])
+            if me == die_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+        x, y = _batch(step, live.index(me), len(live))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+
+def w_ddp_elastic(ckpt):
+    X = _xirang()
+    me = dist.get_rank()
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, bucket_cap_mb=0.01)
+    X.register_comm_hook(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    live = list(range(dist.get_world_size()))
+    changes = []
+
+    def on_change(m):  # re-shard the data over the live ranks from the next step on
+        live[:] = m["live"]
+        changes.append(m["epoch"])
+
+    X.on_membership_change(on_change)
+    _train(ddp, opt, 0, STEPS, live, me, ckpt=ckpt, die_rank=2)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return dict(params=params, loss=_eval_loss(model), m=X.membership(), changes=changes)
+
+
+def w_ddp_resumed(ckpt):
+    X = _xirang()
+    me = dist.get_rank()
+    model = _model()
+    sd = torch.load(ckpt)
+    model.load_state_dict(sd["model"])
+    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, bucket_cap_mb=0.01)
+    X.register_comm_hook(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt.load_state_dict(sd["opt"])
+    _train(ddp, opt, KILL_AT, STEPS, list(range(dist.get_world_size())), me)
+    return dict(loss=_eval_loss(model))
+
+
+def test_ddp_hook_survives_a_killed_rank():
+    ckpt = os.path.join(tempfile.mkdtemp(prefix="xrel"), "step20.pt")
+    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="1.0")
+    with mp_pool.Pool(4, "xirang", timeout_s=60, env=env) as pool:
+        res = pool.run(w_ddp_elastic, ckpt, allow_exit=[2], timeout=240)
+    with mp_pool.Pool(3, "xirang", timeout_s=60) as pool:
+        ref = pool.run(w_ddp_resumed, ckpt, timeout=240)
+    for r in (0, 1, 3):
+        assert res[r]["m"]["live"] == [0, 1, 3]
+        assert res[r]["changes"] == [1]
+        assert torch.equal(res[r]["params"], res[0]["params"]), f"rank {r}'s parameters differ from rank 0's"
+    loss, ref_loss = res[0]["loss"], ref[0]["loss"]
+    print(f"final eval loss: elastic {loss:.5f}, 3-rank run resumed from step {KILL_AT}: {ref_loss:.5f}")
+    assert abs(loss - ref_loss) <= 0.05 * ref_loss, (loss, ref_loss)
