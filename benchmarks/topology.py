@@ -6,8 +6,9 @@ topology ring vs two-level vs gloo, allreduce 1-64 MiB and a DDP step, side by s
     sudo python3 benchmarks/topology.py --ranks-per-host 1 --sizes 1M,4M --markdown --json /tmp/t.json
 
 Set-up (defaults): 2 racks x 2 hosts (network namespaces) x 2 ranks; each rack is a bridge,
-its uplink to the core bridge a veth pair shaped with tc tbf at --rate in both directions (plus
-netem --delay where the kernel has sch_netem; the header says whether latency is emulated);
+its uplink to the core bridge a veth pair shaped with tc tbf at --rate in both directions, plus
+--delay one way across racks (netem where the kernel has sch_netem, else netns.py's NFQUEUE delay
+line, delayq.py; the header says which, and the cross-rack ping RTT measured at set-up);
 intra-rack traffic is unlimited. Ranks are placed round-robin across racks (rank r on rack r % 2,
 host (r // 2) % 2), the placement a launcher ignorant of the topology may produce; rendezvous
 on a TCPStore in the root namespace at the core bridge's address.
@@ -236,7 +237,8 @@ def main() -> int:
     ap.add_argument("--ranks-per-host", type=int, default=2)
     ap.add_argument("--placement", default="roundrobin", choices=("roundrobin", "block"))
     ap.add_argument("--rate", default="200mbit", help="rack uplink rate, each direction (tc tbf)")
-    ap.add_argument("--delay", default="1ms", help="one-way cross-rack latency (netem, if the kernel has it)")
+    ap.add_argument("--delay", default="1ms", help="one-way cross-rack latency (netem, else an "
+                    "NFQUEUE delay line; '' for none)")
     ap.add_argument("--sizes", default="1M,4M,16M,64M")
     ap.add_argument("--reps", default="auto", help="repetitions per size: auto (3 below 16 MiB, 2 at "
                     "16 MiB, 1 above) or a number")

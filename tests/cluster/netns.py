@@ -7,9 +7,22 @@
     core    one bridge (<prefix>c) joining the racks, with the root namespace's address 10.A.B.1:
             the rendezvous store (c10d TCPStore) runs there, reachable from every host
     uplink  one veth pair per rack, rack bridge <-> core bridge (<prefix>u<k> on the rack side,
-            <prefix>U<k> on the core side); both directions shaped with `tc`: tbf at --rate and,
-            where the kernel has sch_netem, a delay of --delay/2 per direction so that a packet
-            from one rack to another (two uplinks) sees --delay one way.
+            <prefix>U<k> on the core side); both directions shaped with `tc` tbf at --rate
+    latency --delay one way between hosts of different racks, by the first method that works:
+            netem   where the kernel has sch_netem: netem delay --delay/2 on both uplinks' devices
+                    (under the tbf), so a packet from one rack to another (two uplinks) sees --delay
+            nfqueue otherwise (this VM's kernel has neither sch_netem nor sch_fq, so no eBPF
+                    earliest-departure-time pacing either): in every host namespace an iptables
+                    OUTPUT rule `-m iprange --dst-range <other rack> -j NFQUEUE` hands packets for
+                    other racks to a delay line, delayq.py (pure Python, one process per host, in
+                    its namespace, SCHED_FIFO), that accepts each one --delay after it was queued;
+                    packets wait in the kernel (metadata only reaches userspace, GSO kept whole),
+                    then go through the uplinks' tbf as usual. Its own cost (wake-up, verdict:
+                    ~0.2 ms per direction on an idle machine) is measured once the cluster is up
+                    (cross-rack ping) and taken off the lines' delay; a loaded machine adds more.
+                    The store (root namespace) is not delayed. Needs `iptables` (and `ping` for
+                    the calibration).
+            describe() gives the method and the cross-rack ping RTT measured at set-up.
 
 Everything is named with a unique prefix (`xrc` + 5 characters derived from the pid) and torn
 down by `Cluster.down()`: every process started through the cluster is killed (process group),
@@ -17,6 +30,8 @@ any other process left in one of its namespaces too, then the namespaces, uplink
 are deleted. `with Cluster(...)` and the launcher call it in a `finally`, also when a rank fails;
 SIGTERM/SIGINT are turned into exceptions while a cluster is up so the `finally` runs. A cluster
 left by a process that was SIGKILLed is removed by `--cleanup-stale` (its creator pid is dead).
+The delay lines are processes started through the cluster in the host namespaces, so they go
+with the rest (and die with their parent, PR_SET_PDEATHSIG); iptables rules go with the namespace.
 
 Ranks are started directly (no torchrun), each with `ip netns exec <ns> env ... python3 ...` and
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (the core address), MASTER_PORT
@@ -29,7 +44,8 @@ Command line:
 
     sudo python3 tests/cluster/netns.py --racks 2 --hosts-per-rack 2 --ranks-per-host 2 \
         --rate 200mbit --delay 1ms -- python3 my_script.py args...
-    sudo python3 tests/cluster/netns.py --probe          # can this machine create namespaces?
+    sudo python3 tests/cluster/netns.py --probe          # can this machine create namespaces? latency?
+    sudo python3 tests/cluster/netns.py --measure        # ping RTT and TCP throughput, then tear down
     sudo python3 tests/cluster/netns.py --cleanup-stale  # remove clusters of dead creators
 """
 from __future__ import annotations
@@ -38,7 +54,9 @@ import argparse
 import dataclasses
 import os
 import random
+import select
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +66,8 @@ from typing import Optional, Sequence
 
 BASE = "xrc"  # every object this module creates starts with it (namespaces, links)
 IFNAME = "xeth0"  # the host's interface inside its namespace
+DELAYQ = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayq.py")  # NFQUEUE delay line
+NFQUEUE_NUM = 0  # netfilter queue of the delay line (queues are per namespace)
 
 
 class ClusterUnavailable(RuntimeError):
@@ -123,6 +143,83 @@ def netem_available() -> bool:
         return _tc("qdisc", "add", "dev", a, "root", "netem", "delay", "1ms", check=False).returncode == 0
     finally:
         _ip("link", "del", a, check=False)
+
+
+def _start_delayq(argv_prefix: Sequence[str], delay: str, popen=subprocess.Popen,
+                  timeout: float = 15.0) -> tuple[subprocess.Popen, str]:
+    """Start delayq.py (after argv_prefix, e.g. `ip netns exec NS`) and wait for its "ready".
+    Returns (process, "") or (process, why) when it did not get ready (the caller kills it)."""
+    pr = popen([*argv_prefix, sys.executable, DELAYQ, "--queue", str(NFQUEUE_NUM), "--delay", delay],
+               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    line = ""
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([pr.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not r:
+            break
+        line = pr.stdout.readline()
+        if not line or line.strip() == "ready":
+            break
+    if line.strip() == "ready":
+        return pr, ""
+    if pr.poll() is None:
+        pr.kill()
+    rest = pr.communicate(timeout=10)[0] if pr.stdout else ""
+    return pr, ((line + rest).strip() or f"no 'ready' within {timeout:g} s (rc={pr.returncode})")
+
+
+def nfqueue_available() -> tuple[bool, str]:
+    """(True, "") when the userspace delay line works here: iptables with the NFQUEUE target in a
+    network namespace and delayq.py binding a netfilter queue; else (False, why). Uses a
+    throw-away namespace."""
+    if shutil.which("iptables") is None:
+        return False, "`iptables` is not installed (apt-get install iptables)"
+    if not os.path.exists(DELAYQ):
+        return False, f"{DELAYQ} is missing"
+    ns = f"{BASE}{_pid_tag(os.getpid())}q"
+    pr = None
+    try:
+        p = _ip("netns", "add", ns, check=False)
+        if p.returncode != 0:
+            return False, f"`ip netns add` failed: {p.stderr.strip()}"
+        pr, why = _start_delayq(["ip", "netns", "exec", ns], "1ms")
+        if why:
+            return False, f"delayq.py cannot bind a netfilter queue: {why}"
+        p = subprocess.run(["ip", "netns", "exec", ns, "iptables", "-w", "-A", "OUTPUT", "-m", "iprange",
+                            "--dst-range", "127.0.0.2-127.0.0.3", "-j", "NFQUEUE", "--queue-num",
+                            str(NFQUEUE_NUM)], capture_output=True, text=True, timeout=30)
+        if p.returncode != 0:
+            return False, f"iptables NFQUEUE rule refused: {p.stderr.strip()}"
+        return True, ""
+    finally:
+        if pr is not None and pr.poll() is None:
+            pr.kill()
+            pr.wait(timeout=10)
+        _ip("netns", "del", ns, check=False)
+
+
+def delay_method() -> tuple[Optional[str], str]:
+    """How this machine can add cross-rack latency: ("netem", ""), ("nfqueue", why netem is not
+    used) or (None, why nothing works)."""
+    if netem_available():
+        return "netem", ""
+    ok, why = nfqueue_available()
+    if ok:
+        return "nfqueue", "sch_netem is not available in this kernel"
+    return None, f"sch_netem is not available in this kernel, and the NFQUEUE delay line neither: {why}"
+
+
+def ping_rtt_ms(ns: str, ip: str, count: int = 10, interval: float = 0.02) -> Optional[dict]:
+    """min/avg/max/mdev of `ping` from namespace ns to ip (ms), None without ping or on failure."""
+    if shutil.which("ping") is None:
+        return None
+    p = subprocess.run(["ip", "netns", "exec", ns, "ping", "-q", "-n", "-c", str(count), "-i", str(interval),
+                        "-W", "2", ip], capture_output=True, text=True, timeout=30 + count * interval)
+    for line in p.stdout.splitlines():
+        if "min/avg/max" in line:
+            vals = line.split("=")[1].split()[0].split("/")
+            return dict(zip(("min", "avg", "max", "mdev"), map(float, vals)))
+    return None
 
 
 def list_namespaces() -> list[str]:
@@ -233,6 +330,10 @@ class Cluster:
                 i = len(self.hosts)
                 self.hosts.append(Host(i, f"{self.prefix}h{i}", f"rack{k}", f"{self.net}.{10 + i}"))
         self.delay_emulated = False
+        self.delay_method: Optional[str] = None  # "netem" | "nfqueue" | None
+        self.rtt_cross_ms: Optional[dict] = None  # ping across racks once up (delay on)
+        self.delay_line_setting: Optional[str] = None  # delayq.py --delay after calibration
+        self._delay_procs: list[subprocess.Popen] = []
         self.shaping = "none"
         self.procs: list[subprocess.Popen] = []
         self._created_ns: list[str] = []
@@ -272,10 +373,12 @@ class Cluster:
         self._link("add", self.core, "type", "bridge")
         _ip("addr", "add", f"{self.store_addr}/24", "dev", self.core)
         self._link("set", self.core, "up")
-        use_delay = bool(self.delay) and netem_available()
-        if self.delay and not use_delay and self.require_delay:
-            raise ClusterUnavailable("sch_netem is not available in this kernel: cannot add latency")
-        self.delay_emulated = use_delay
+        method, why_not = delay_method() if self.delay else (None, "")
+        if self.delay and method is None and self.require_delay:
+            raise ClusterUnavailable(f"cannot add latency: {why_not}")
+        self.delay_method = method
+        self.delay_emulated = method is not None
+        use_delay = method == "netem"
         for k in range(self.racks):
             rb, ua, ub = f"{p}r{k}", f"{p}u{k}", f"{p}U{k}"
             self._created_links += [rb, ua]
@@ -305,15 +408,81 @@ class Cluster:
             f.write("# host rack (xirang XIRANG_TOPOLOGY_FILE)\n")
             for h in self.hosts:
                 f.write(f"{h.ns} {h.rack}\n")
+        if method == "nfqueue":
+            self._start_delay_lines(self.delay)
+            self._add_delay_rules()
         parts = []
         if self.rate:
             parts.append(f"tbf {self.rate}")
-        if use_delay:
+        if method == "netem":
             parts.append(f"netem delay {self.delay} one way across racks")
+        elif method == "nfqueue":
+            parts.append(f"{self.delay} one way across racks (NFQUEUE delay line, delayq.py: {why_not})")
         elif self.delay:
-            parts.append(f"NO latency (sch_netem missing; asked for {self.delay})")
-        self.shaping = ", ".join(parts) or "none"
+            parts.append(f"NO latency ({why_not}; asked for {self.delay})")
         self._wait_reachable()
+        if method == "nfqueue" and self.racks > 1:
+            self.rtt_cross_ms = self._calibrate_delay_lines()
+        elif method and self.racks > 1:
+            a, b = self.hosts_in_rack(0)[0], self.hosts_in_rack(1)[0]
+            self.rtt_cross_ms = ping_rtt_ms(a.ns, b.ip)
+        if self.rtt_cross_ms:
+            parts.append(f"cross-rack ping RTT {self.rtt_cross_ms['avg']:.2f} ms at set-up"
+                         + (f" (delay lines set to {self.delay_line_setting} to make up for their own cost)"
+                            if self.delay_line_setting else ""))
+        self.shaping = ", ".join(parts) or "none"
+
+    def _start_delay_lines(self, delay: str) -> None:
+        """One delayq.py per host namespace (held in self._delay_procs)."""
+        self._delay_procs = []
+        for h in self.hosts:
+            pr, why = _start_delayq([], delay, popen=lambda argv, **kw: self.popen(h, argv, None, **kw))
+            self._delay_procs.append(pr)
+            if why:
+                raise ClusterUnavailable(f"delay line in {h.ns} did not start: {why}")
+
+    def _stop_delay_lines(self) -> None:
+        for pr in self._delay_procs:
+            if pr.poll() is None:
+                pr.kill()
+            pr.wait(timeout=10)
+            self.procs.remove(pr)
+        self._delay_procs = []
+
+    def _add_delay_rules(self) -> None:
+        """In every host namespace, the iptables rules that hand the packets for hosts of other
+        racks to the delay line (only once it has bound the queue: unbound, NFQUEUE drops)."""
+        ranges = {}
+        for k in range(self.racks):
+            ips = sorted(int(h.ip.rsplit(".", 1)[1]) for h in self.hosts_in_rack(k))
+            ranges[f"rack{k}"] = f"{self.net}.{ips[0]}-{self.net}.{ips[-1]}"  # contiguous per rack
+        for h in self.hosts:
+            for rack, rng in ranges.items():
+                if rack == h.rack:
+                    continue
+                p = subprocess.run(["ip", "netns", "exec", h.ns, "iptables", "-w", "-A", "OUTPUT", "-m", "iprange",
+                                    "--dst-range", rng, "-j", "NFQUEUE", "--queue-num", str(NFQUEUE_NUM)],
+                                   capture_output=True, text=True, timeout=30)
+                if p.returncode != 0:
+                    raise ClusterUnavailable(f"iptables NFQUEUE rule in {h.ns} refused: {p.stderr.strip()}")
+
+    def _calibrate_delay_lines(self) -> Optional[dict]:
+        """The delay line's own cost (wake-up on a queued packet, verdict, re-injection: ~0.2 ms
+        per direction on an idle machine) comes on top of its delay: measure the cross-rack ping
+        RTT, and if it exceeds 2 x --delay, restart the lines with the excess taken off their delay.
+        Returns the RTT measured last (None without ping). A loaded machine adds more."""
+        a, b = self.hosts_in_rack(0)[0], self.hosts_in_rack(1)[0]
+        rtt = ping_rtt_ms(a.ns, b.ip, count=20)
+        want = _seconds(self.delay)
+        if not rtt:
+            return None
+        excess = rtt["avg"] / 2e3 - want
+        if excess <= 20e-6:
+            return rtt
+        self.delay_line_setting = f"{max(0.0, want - excess) * 1e6:.0f}us"
+        self._stop_delay_lines()
+        self._start_delay_lines(self.delay_line_setting)
+        return ping_rtt_ms(a.ns, b.ip, count=20)
 
     def _shape(self, dev: str, use_delay: bool) -> None:
         parent = ["root"]
@@ -437,6 +606,11 @@ class Cluster:
                           for k in range(self.racks))
         return (f"{self.racks} racks x {self.hosts_per_rack} hosts (netns); {racks}; store {self.store_addr}; "
                 f"rack uplinks: {self.shaping}; intra-rack: unlimited veth/bridge")
+
+
+def _seconds(t: str) -> float:
+    """'1ms', '500us', '0.002s' -> seconds."""
+    return float(_half_time(t)[:-2]) * 2e-6
 
 
 def _half_time(t: str) -> str:
@@ -600,6 +774,61 @@ def launch_torchrun(cluster: Cluster, argv: Sequence[str], nproc_per_host: int =
         del store
 
 
+_TPUT = """
+import socket, sys, time
+mode, ip, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if mode == "server":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((ip, port)); s.listen(1)
+    print("listening", flush=True)
+    c, _ = s.accept(); n, t0 = 0, None
+    while True:
+        b = c.recv(1 << 20)
+        if not b: break
+        if t0 is None: t0 = time.monotonic()
+        n += len(b)
+    print(n * 8 / (time.monotonic() - t0) / 1e6, flush=True)
+else:
+    nbytes = int(sys.argv[4]); c = socket.create_connection((ip, port)); buf = b"x" * (1 << 20); sent = 0
+    while sent < nbytes:
+        sent += c.send(buf[: min(len(buf), nbytes - sent)])
+    c.close()
+"""
+
+
+def tcp_mbit(cluster: "Cluster", src: Host, dst: Host, nbytes: int = 50 * 10**6, port: int = 5399) -> float:
+    """One TCP stream of nbytes from src to dst; Mbit/s seen by the receiver."""
+    srv = cluster.popen(dst, [sys.executable, "-c", _TPUT, "server", dst.ip, str(port)], stdout=subprocess.PIPE,
+                        text=True)
+    try:
+        if srv.stdout.readline().strip() != "listening":
+            raise RuntimeError(f"throughput server on {dst.ns} did not start")
+        cli = cluster.popen(src, [sys.executable, "-c", _TPUT, "client", dst.ip, str(port), str(nbytes)])
+        cli.wait(timeout=120)
+        return float(srv.communicate(timeout=30)[0].strip())
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+
+
+def measure(cluster: "Cluster", nbytes: int = 50 * 10**6) -> list[str]:
+    """Ping RTT and one-stream TCP throughput for a same-rack and a cross-rack pair of hosts."""
+    out = []
+    a = cluster.hosts_in_rack(0)
+    pairs = []
+    if len(a) > 1:
+        pairs.append(("same rack", a[0], a[1]))
+    if cluster.racks > 1:
+        b = cluster.hosts_in_rack(1)
+        pairs += [("cross rack", a[0], b[0]), ("cross rack", b[0], a[0])]
+    for what, x, y in pairs:
+        rtt = ping_rtt_ms(x.ns, y.ip, count=50)
+        rtt_s = (f"ping RTT min/avg/max/mdev {rtt['min']:.3f}/{rtt['avg']:.3f}/{rtt['max']:.3f}/{rtt['mdev']:.3f} ms"
+                 if rtt else "ping RTT n/a")
+        mbit = tcp_mbit(cluster, x, y, nbytes)
+        out.append(f"{what:10s} {x.ns} -> {y.ns}: {rtt_s}; TCP {nbytes / 1e6:.0f} MB one stream: {mbit:.0f} Mbit/s")
+    return out
+
+
 def _read(path: str) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -615,9 +844,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--ranks-per-host", type=int, default=1)
     ap.add_argument("--placement", default="roundrobin", choices=("roundrobin", "block"))
     ap.add_argument("--rate", default="200mbit", help="rack uplink rate (tc tbf), '' for none")
-    ap.add_argument("--delay", default="1ms", help="one-way cross-rack latency (netem), '' for none")
+    ap.add_argument("--delay", default="1ms", help="one-way cross-rack latency (netem, else the NFQUEUE "
+                    "delay line delayq.py), '' for none")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--probe", action="store_true")
+    ap.add_argument("--measure", action="store_true", help="bring the cluster up, print ping RTT and TCP "
+                    "throughput same-rack and cross-rack, tear it down")
     ap.add_argument("--cleanup-stale", action="store_true")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
@@ -625,9 +857,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ok, why = probe()
         print("namespaces: ok" if ok else f"namespaces: unavailable: {why}")
         print(f"netem: {'ok' if netem_available() else 'unavailable'}")
+        nq, why = nfqueue_available()
+        print(f"nfqueue delay line: {'ok' if nq else 'unavailable: ' + why}")
+        method, why = delay_method()
+        print(f"latency: {method or 'none'}{' (' + why + ')' if why else ''}")
         return 0 if ok else 1
     if a.cleanup_stale:
         cleanup_stale()
+        return 0
+    if a.measure:
+        with Cluster(a.racks, a.hosts_per_rack, a.rate or None, a.delay or None) as c:
+            print(c.describe())
+            for line in measure(c):
+                print(line, flush=True)
         return 0
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:

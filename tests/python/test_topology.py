@@ -443,3 +443,34 @@ def test_emulated_cluster_torchrun():
         cluster.down()
         shutil.rmtree(out, ignore_errors=True)
     assert _prefix_leftovers(prefix) == []
+
+
+def test_emulated_cluster_latency_and_rate():
+    """--delay is really in effect across racks (netem, else the NFQUEUE delay line) and not inside
+    a rack, and the uplinks' tbf still caps a cross-rack TCP stream near --rate; skips with the
+    reason where the machine can add no latency. The delay lines die with the cluster."""
+    netns = _cluster_or_skip()
+    if shutil.which("ping") is None:
+        pytest.skip("`ping` (iputils-ping) is not installed")
+    cluster = netns.Cluster(racks=2, hosts_per_rack=2, rate="200mbit", delay="1ms", require_delay=True)
+    prefix = cluster.prefix
+    try:
+        try:
+            cluster.up()
+        except netns.ClusterUnavailable as e:
+            pytest.skip(f"no latency emulation here: {e}")
+        assert cluster.delay_emulated and cluster.delay_method in ("netem", "nfqueue")
+        r0, r1 = cluster.hosts_in_rack(0), cluster.hosts_in_rack(1)
+        cross = netns.ping_rtt_ms(r0[0].ns, r1[1].ip, count=20)
+        same = netns.ping_rtt_ms(r0[0].ns, r0[1].ip, count=20)
+        assert cross is not None and same is not None
+        # 2 x 1 ms; loose bounds: a shared, loaded machine adds wake-up delays
+        assert 1.6 <= cross["min"] and cross["avg"] <= 5.0, cross
+        assert same["avg"] < 0.8, same
+        mbit = netns.tcp_mbit(cluster, r1[0], r0[1], nbytes=20 * 10**6)
+        assert 100 <= mbit <= 230, f"cross-rack TCP {mbit:.0f} Mbit/s, tbf rate 200 Mbit/s"
+        delay_procs = list(cluster._delay_procs)
+    finally:
+        cluster.down()
+    assert all(p.poll() is not None for p in delay_procs)
+    assert _prefix_leftovers(prefix) == []
