@@ -195,6 +195,7 @@ static py::dict membershipDict(xirang::ProcessGroupXirang& pg) {
   d["last_recovery_s"] = m.last_recovery_s;
   d["last_agreement_s"] = m.last_agreement_s;
   d["last_failure"] = m.last_failure;
+  d["source"] = m.source;
   return d;
 }
 
@@ -252,7 +253,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
                        const std::string& group_name, const std::string& algorithm, std::vector<int> ring,
                        std::vector<std::string> hosts, std::vector<std::string> racks, int global_rank,
-                       const std::string& stats_dir, const std::string& run_id, bool elastic, double heartbeat_s) {
+                       const std::string& stats_dir, const std::string& run_id, bool elastic, double heartbeat_s,
+                       bool join) {
              xirang::XirangConfig cfg;
              cfg.group_name = group_name;
              cfg.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
@@ -265,17 +267,19 @@ PYBIND11_MODULE(_C, m) {
              cfg.run_id = run_id;
              cfg.elastic = elastic;
              cfg.heartbeat_s = heartbeat_s;
+             cfg.join = join;
              return c10::make_intrusive<xirang::ProcessGroupXirang>(store, rank, size, cfg);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("group_name") = "",
            py::arg("algorithm") = "auto", py::arg("ring") = std::vector<int>{},
            py::arg("hosts") = std::vector<std::string>{}, py::arg("racks") = std::vector<std::string>{},
            py::arg("global_rank") = 0, py::arg("stats_dir") = "", py::arg("run_id") = "",
-           py::arg("elastic") = false, py::arg("heartbeat_s") = 1.0,
+           py::arg("elastic") = false, py::arg("heartbeat_s") = 1.0, py::arg("join") = false,
            py::call_guard<py::gil_scoped_release>(),
            "Create the backend of one group: store (c10d Store, prefixed per group by torch), group rank and\n"
            "size, timeout in seconds, ring order (group ranks; empty = rank order), host/rack label per rank,\n"
-           "elastic mode and its heartbeat period in seconds.")
+           "elastic mode, its heartbeat period in seconds, and join (a spare taking rank `rank`'s place:\n"
+           "blocks until the live ranks admit it).")
       .def("allreduce_ef", &xirang::ProcessGroupXirang::allreduceBF16EF, py::arg("buffer"), py::arg("residual"),
            py::arg("staged_residual"), py::arg("group_id") = -1, py::arg("label") = "",
            py::arg("plain") = std::vector<at::Tensor>{}, py::call_guard<py::gil_scoped_release>(),
@@ -295,6 +299,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("elastic", &xirang::ProcessGroupXirang::elastic)
       .def("membership", &membershipDict, "Elastic membership: epoch, live (group ranks), ring, world_size, recoveries, last_recovery_s,\n"
          "last_agreement_s (seconds) and last_failure (the reason recorded).")
+      .def("admit_joiners", &xirang::ProcessGroupXirang::admitJoiners, py::arg("expect") = 0,
+           py::arg("wait_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
+           "Collective over the live ranks at a step boundary: admit waiting spares (XIRANG_JOIN=1);\n"
+           "the lowest live rank waits up to wait_s seconds for at least `expect`. Returns a Work.")
       .def("set_membership_callback", [](xirang::ProcessGroupXirang& pg, py::object fn) {
         if (fn.is_none()) {
           pg.setMembershipCallback(nullptr);

@@ -218,8 +218,11 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   topts.ifname = env::get("XIRANG_SOCKET_IFNAME");
   topts.handshake_timeout = std::chrono::milliseconds(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS"));
   record_capacity_ = static_cast<size_t>(std::max<int64_t>(1, env::getInt("XIRANG_STATS_CAPACITY")));
+  TORCH_CHECK(!cfg_.join || cfg_.elastic, "xirang rank ", rank,
+              ": XIRANG_JOIN=1 (a spare taking a dead rank's place) needs elastic mode (XIRANG_ELASTIC=1)");
   try {
-    tcp_ = std::make_unique<transport::Tcp>(rank, size, store_, topts, Clock::now() + cfg_.timeout);
+    if (!cfg_.join)  // a spare gets the transport of the epoch that admits it (joinGroup)
+      tcp_ = std::make_unique<transport::Tcp>(rank, size, store_, topts, Clock::now() + cfg_.timeout);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "xirang rank ", rank, ": creating group '", cfg_.group_name, "' failed: ", e.what());
   }
@@ -280,6 +283,15 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
         store_->add(elastic::heartbeatKey(kElasticPrefix, rank), 1);
       } catch (const std::exception& e) {
         TORCH_CHECK(false, "xirang rank ", rank, ": elastic mode needs a store with add/compareSet: ", e.what());
+      }
+      if (cfg_.join) {
+        try {
+          joinGroup();
+        } catch (const c10::Error&) {
+          throw;
+        } catch (const std::exception& e) {
+          TORCH_CHECK(false, "xirang rank ", rank, ": joining group '", cfg_.group_name, "' failed: ", e.what());
+        }
       }
       hb_thread_ = std::thread([this] { heartbeatLoop(); });
     }
@@ -505,7 +517,7 @@ void ProcessGroupXirang::runOp(Op& op) {
   if (seq != 0 && voided() && !op.save) throw changed("it was issued before the change");
   if (static_cast<int>(live_.size()) < size_) {
     const bool ok = op.ctx.op == OpKind::Allreduce || op.ctx.op == OpKind::AllreduceEF ||
-                    op.ctx.op == OpKind::Broadcast || op.ctx.op == OpKind::Barrier;
+                    op.ctx.op == OpKind::Broadcast || op.ctx.op == OpKind::Barrier || op.ctx.op == OpKind::Admit;
     if (!ok)
       throw MembershipChanged("xirang rank " + std::to_string(rank_) + ": " + describe(op) +
                               " is not available after a membership change (" + membershipText(nullptr) +
@@ -520,7 +532,7 @@ void ProcessGroupXirang::runOp(Op& op) {
       op.fn(op.ctx);
       if (seq == 0) return;  // point-to-point: no completion round
       done_seq_ = seq;       // this rank holds the result
-      ack(comm_, op.ctx);
+      if (op.ctx.op != OpKind::Admit) ack(comm_, op.ctx);  // admission: the store is its agreement
       return;
     } catch (const transport::TransportError& e) {
       std::string why = e.what();
@@ -541,6 +553,56 @@ std::string ProcessGroupXirang::membershipText(const elastic::Decision* d) const
   for (size_t i = 0; i < live.size(); ++i) o << (i ? " " : "") << live[i];
   o << "] of " << size_;
   return o.str();
+}
+
+// Switches to the epoch `d` describes: a fresh listener and connections under the epoch's store
+// namespace and secret `key`, only d.live admitted; the ring keeps its (topology) order over
+// d.live. Runs on the communication thread (or in the constructor of a joining rank), then
+// calls the membership callback.
+void ProcessGroupXirang::installEpoch(const elastic::Decision& d, const transport::Key128& key, int source,
+                                      const std::string& reason, double agreement_s, Clock::time_point t0) {
+  transport::TcpOptions topts;
+  topts.ifname = env::get("XIRANG_SOCKET_IFNAME");
+  topts.handshake_timeout = std::chrono::milliseconds(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS"));
+  topts.key_prefix = "xirang/e" + std::to_string(d.epoch);
+  topts.members = d.live;
+  topts.key = key;
+  auto fresh = std::make_unique<transport::Tcp>(rank_, size_, store_, topts, Clock::now() + cfg_.timeout);
+  std::vector<int> base = cfg_.ring;
+  if (base.empty())
+    for (int r = 0; r < size_; ++r) base.push_back(r);
+  std::vector<int> ring;
+  for (int r : base)
+    if (std::find(d.live.begin(), d.live.end(), r) != d.live.end()) ring.push_back(r);
+  std::unique_ptr<transport::Tcp> old;
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    old = std::move(tcp_);
+    tcp_ = std::move(fresh);
+    comm_.tcp = tcp_.get();
+    comm_.ring = ring;
+    comm_.local_group.clear();  // the two-level plan assumed the old hosts: the ring from now on
+    comm_.cross_group.clear();
+    live_ = d.live;
+    if (d.fence > d.done_seq) void_ranges_.push_back({d.done_seq, d.fence});
+    info_.epoch = d.epoch;
+    info_.live = d.live;
+    info_.ring = ring;
+    info_.recoveries++;
+    info_.source = source;
+    info_.last_failure = reason;
+    info_.last_agreement_s = agreement_s;
+    info_.last_recovery_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    epoch_.store(d.epoch);
+    membership_signal_ = false;
+  }
+  if (old) old->close();
+  std::function<void()> cb;
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    cb = membership_cb_;
+  }
+  if (cb) cb();
 }
 
 elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
@@ -569,55 +631,117 @@ elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
     }
     throw transport::TransportError(msg, rank_);
   }
-  // The new epoch's transport: a fresh listener and connections, a derived secret, only live
-  // ranks admitted; the ring keeps its (topology) order without the dead ranks.
-  transport::TcpOptions topts;
-  topts.ifname = env::get("XIRANG_SOCKET_IFNAME");
-  topts.handshake_timeout = std::chrono::milliseconds(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS"));
-  topts.key_prefix = "xirang/e" + std::to_string(d.epoch);
-  topts.members = d.live;
-  std::unique_ptr<transport::Tcp> fresh;
+  transport::Key128 key;
   {
     std::lock_guard<std::mutex> g(mem_mu_);
-    topts.key = transport::deriveKey(tcp_->key(), d.epoch);
+    key = transport::deriveKey(tcp_->key(), d.epoch);
   }
-  fresh = std::make_unique<transport::Tcp>(rank_, size_, store_, topts, Clock::now() + cfg_.timeout);
-  std::vector<int> ring;
-  for (int r : comm_.ring)
-    if (std::find(d.live.begin(), d.live.end(), r) != d.live.end()) ring.push_back(r);
-  std::unique_ptr<transport::Tcp> old;
-  {
-    std::lock_guard<std::mutex> g(mem_mu_);
-    old = std::move(tcp_);
-    tcp_ = std::move(fresh);
-    comm_.tcp = tcp_.get();
-    comm_.ring = ring;
-    comm_.local_group.clear();  // the two-level plan assumed the old hosts: the ring from now on
-    comm_.cross_group.clear();
-    live_ = d.live;
-    void_ranges_.push_back({d.done_seq, d.fence});
-    info_.epoch = d.epoch;
-    info_.live = d.live;
-    info_.ring = ring;
-    info_.recoveries++;
-    info_.last_failure = reason;
-    info_.last_agreement_s = std::chrono::duration<double>(t_agreed - t0).count();
-    info_.last_recovery_s = std::chrono::duration<double>(Clock::now() - t0).count();
-    epoch_.store(d.epoch);
-    membership_signal_ = false;
-  }
-  old->close();
+  installEpoch(d, key, /*source=*/-1, reason, std::chrono::duration<double>(t_agreed - t0).count(), t0);
   env::log(env::Level::Warn, rank_,
            "rebuilt the ring: " + membershipText(&d) + ", ops up to #" + std::to_string(d.done_seq) +
                " kept, #" + std::to_string(d.done_seq + 1) + "-#" + std::to_string(d.fence) + " void; recovery " +
                std::to_string(info_.last_recovery_s) + " s");
-  std::function<void()> cb;
-  {
-    std::lock_guard<std::mutex> g(mem_mu_);
-    cb = membership_cb_;
-  }
-  if (cb) cb();
   return d;
+}
+
+std::string ProcessGroupXirang::waitKey(const std::string& key, transport::Deadline deadline) {
+  const std::string fail = elastic::failKey(kElasticPrefix, epoch_.load());
+  while (!store_->check(key)) {
+    if (store_->check(fail))
+      throw transport::TransportError("a failure was reported while waiting for " + key + ": " +
+                                          store_->get(fail, Clock::now() + std::chrono::seconds(5)),
+                                      -1);
+    if (Clock::now() >= deadline) throw transport::TimeoutError("timed out waiting for store key " + key, -1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return store_->get(key, deadline);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::admitJoiners(int64_t expect, double wait_s) {
+  TORCH_CHECK(cfg_.elastic, "xirang rank ", rank_, ": admit_joiners needs elastic mode (XIRANG_ELASTIC=1)");
+  TORCH_CHECK(expect >= 0 && wait_s >= 0, "xirang rank ", rank_, ": admit_joiners: expect (", expect,
+              ") and wait_s (", wait_s, ") must be >= 0");
+  auto fn = [this, expect, wait_s](OpCtx& ctx) {
+    if (size_ <= 1) return;
+    const int lowest = live_.front();
+    const std::string key = elastic::admitKey(kElasticPrefix, ctx.seq);
+    if (rank_ == lowest) {
+      const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
+      std::vector<std::pair<int, std::string>> joiners;  // (rank, nonce)
+      while (true) {
+        joiners.clear();
+        for (int r = 0; r < size_; ++r) {
+          const std::string jk = elastic::joinKey(kElasticPrefix, r);
+          if (std::find(live_.begin(), live_.end(), r) != live_.end() || !store_->check(jk)) continue;
+          std::string nonce = store_->get(jk, ctx.deadline);
+          if (nonce != "taken") joiners.push_back({r, nonce});
+        }
+        if (static_cast<int64_t>(joiners.size()) >= expect || Clock::now() >= until) break;
+        if (store_->check(elastic::failKey(kElasticPrefix, epoch_.load())))
+          throw transport::TransportError("a failure was reported during the admission", -1);
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      elastic::Decision d;
+      d.epoch = joiners.empty() ? epoch_.load() : epoch_.load() + 1;
+      d.live = live_;
+      for (const auto& j : joiners) d.live.push_back(j.first);
+      std::sort(d.live.begin(), d.live.end());
+      d.done_seq = d.fence = ctx.seq;
+      if (!joiners.empty())
+        store_->set(elastic::secretKey(kElasticPrefix, d.epoch), transport::keyToHex(transport::randomKey()));
+      store_->compareSet(key, "", d.encode());
+      for (const auto& [r, nonce] : joiners) {
+        store_->set(elastic::joinedKey(kElasticPrefix, r), nonce + " " + std::to_string(rank_) + " " + d.encode());
+        store_->compareSet(elastic::joinKey(kElasticPrefix, r), nonce, "taken");
+      }
+    }
+    elastic::Decision d = elastic::Decision::decode(waitKey(key, ctx.deadline));
+    if (d.epoch == epoch_.load()) return;  // nobody joined
+    transport::Key128 k =
+        transport::keyFromHex(waitKey(elastic::secretKey(kElasticPrefix, d.epoch), ctx.deadline));
+    std::ostringstream why;
+    why << "spares joined (" << membershipText(&d) << ")";
+    installEpoch(d, k, lowest, why.str(), 0.0, Clock::now());
+    env::log(env::Level::Warn, rank_, "the ring grew back: " + membershipText(&d) + "; training state source: rank " +
+                                          std::to_string(lowest));
+  };
+  return enqueue(c10d::OpType::BARRIER, "xirang:admit_joiners", OpKind::Admit, {}, {}, DType::UInt8, ReduceOp::None,
+                 0, c10d::kUnsetTimeout, fn);
+}
+
+void ProcessGroupXirang::joinGroup() {
+  const auto t0 = Clock::now();
+  const auto deadline = t0 + cfg_.timeout;
+  const std::string nonce = transport::keyToHex(transport::randomKey()).substr(0, 16);
+  store_->set(elastic::joinKey(kElasticPrefix, rank_), nonce);
+  env::log(env::Level::Warn, rank_,
+           "spare waiting to take rank " + std::to_string(rank_) + "'s place (admitted at a step boundary)");
+  const std::string jk = elastic::joinedKey(kElasticPrefix, rank_);
+  std::string text;
+  while (true) {
+    if (store_->check(jk)) {
+      text = store_->get(jk, deadline);
+      if (text.compare(0, nonce.size() + 1, nonce + " ") == 0) break;
+    }
+    TORCH_CHECK(Clock::now() < deadline, "xirang rank ", rank_, ": the spare was not admitted within the group timeout (",
+                cfg_.timeout.count(), " ms): the live ranks admit spares at step boundaries with "
+                "xirang.admit_joiners()");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::istringstream in(text.substr(nonce.size() + 1));
+  int source = -1;
+  in >> source;
+  std::string rest;
+  std::getline(in, rest);
+  elastic::Decision d = elastic::Decision::decode(rest.substr(rest.find_first_not_of(' ')));
+  transport::Key128 key = transport::keyFromHex(store_->get(elastic::secretKey(kElasticPrefix, d.epoch), deadline));
+  seq_ = d.fence;  // the survivors' admission op was #fence: this rank's next op is the next one
+  issued_seq_.store(seq_);
+  done_seq_ = seq_;
+  store_->add(elastic::heartbeatKey(kElasticPrefix, rank_), 1);
+  installEpoch(d, key, source, "joined as a spare", 0.0, t0);
+  env::log(env::Level::Warn, rank_, "joined: " + membershipText(&d) + "; training state source: rank " +
+                                        std::to_string(source));
 }
 
 // Elastic: advances this rank's heartbeat counter, watches the ring neighbours' counters, and

@@ -73,6 +73,7 @@ struct XirangConfig {
   std::string run_id;
   bool elastic = false;             // XIRANG_ELASTIC / Options(elastic=True)
   double heartbeat_s = 1.0;         // XIRANG_HEARTBEAT_S
+  bool join = false;                // XIRANG_JOIN: a spare taking a dead rank's place
 };
 
 // Raised (Python: xirang.MembershipChanged, a RuntimeError) by every operation that was in
@@ -90,7 +91,8 @@ struct MembershipInfo {
   uint64_t recoveries = 0;
   double last_recovery_s = 0;    // failure noticed -> new ring ready, seconds
   double last_agreement_s = 0;   // of which the agreement through the store
-  std::string last_failure;      // the reason recorded for the last failure
+  std::string last_failure;      // the reason recorded for the last change
+  int source = -1;               // after spares joined: the rank to copy training state from
 };
 
 class WorkXirang : public c10d::Work {
@@ -197,6 +199,12 @@ class ProcessGroupXirang : public c10d::Backend {
 
   // Elastic mode (#8). membership(): the current epoch, live ranks and last recovery.
   MembershipInfo membership();
+  // A collective over the live ranks, at a step boundary: admits the spares (XIRANG_JOIN=1)
+  // waiting to take dead ranks' places; the lowest live rank waits up to wait_s seconds for at
+  // least `expect` of them. The ring grows back (a new epoch) if any joined; membership()
+  // then names the source rank of the training state. Errors: MembershipChanged if a rank
+  // fails meanwhile; c10::Error without elastic mode.
+  c10::intrusive_ptr<c10d::Work> admitJoiners(int64_t expect, double wait_s);
   // fn runs on the communication thread after every rebuild (before the next op runs).
   void setMembershipCallback(std::function<void()> fn);
   bool elastic() const { return cfg_.elastic; }
@@ -231,6 +239,13 @@ class ProcessGroupXirang : public c10d::Backend {
   // Elastic: agrees with the survivors on the next epoch and rebuilds the transport and ring.
   // Throws TransportError if this rank was declared dead or the store is unreachable.
   elastic::Decision recover(const std::string& why);
+  void installEpoch(const elastic::Decision& d, const transport::Key128& key, int source, const std::string& reason,
+                    double agreement_s, std::chrono::steady_clock::time_point t0);
+  // XIRANG_JOIN: announces this spare and blocks until the live ranks admit it (group timeout).
+  void joinGroup();
+  // Polls `key` until it exists (returns its value); throws TransportError if a failure is
+  // reported for the current epoch meanwhile, TimeoutError after `deadline`.
+  std::string waitKey(const std::string& key, transport::Deadline deadline);
   void heartbeatLoop();
   std::string membershipText(const elastic::Decision* d) const;
 

@@ -29,6 +29,7 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_PROMETHEUS_PORT", "", "xirang.exporters.start_prometheus(): serve metrics on this port + LOCAL_RANK"},
       {"XIRANG_RUN_ID", "", "run id written into every stats record (default: TORCHELASTIC_RUN_ID)"},
       {"XIRANG_ELASTIC", "0", "1: elastic mode (#8): a lost rank is dropped, the survivors agree on a new ring and keep going; in-flight ops raise xirang.MembershipChanged"},
+      {"XIRANG_JOIN", "0", "elastic mode: 1 makes this process a spare that takes its RANK's place once the live ranks call xirang.admit_joiners()"},
       {"XIRANG_HEARTBEAT_S", "1.0", "elastic mode: a rank whose store heartbeat has not advanced for this many seconds is declared failed"},
       {"XIRANG_TEST_DIE_AFTER_SEGMENTS", "0", "test only: k or k@r: this process (with @r only if its group rank is r) kills itself (SIGKILL) after sending k data frames"},
       {"XIRANG_TEST_DELAY_MS", "0", "test only: sleep this long before each collective on this rank (to make a slow rank)"},

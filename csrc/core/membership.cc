@@ -32,6 +32,12 @@ Decision Decision::decode(const std::string& text) {
 }
 
 std::string heartbeatKey(const std::string& prefix, int rank) { return prefix + "/hb/" + std::to_string(rank); }
+std::string joinKey(const std::string& prefix, int rank) { return prefix + "/join/" + std::to_string(rank); }
+std::string joinedKey(const std::string& prefix, int rank) { return prefix + "/joined/" + std::to_string(rank); }
+std::string admitKey(const std::string& prefix, uint64_t seq) { return prefix + "/admit/" + std::to_string(seq); }
+std::string secretKey(const std::string& prefix, uint64_t epoch) {
+  return prefix + "/e" + std::to_string(epoch) + "/secret";
+}
 std::string failKey(const std::string& prefix, uint64_t epoch) {
   return prefix + "/e" + std::to_string(epoch) + "/fail";
 }

@@ -45,6 +45,10 @@ struct Decision {
 };
 
 std::string heartbeatKey(const std::string& prefix, int rank);
+std::string joinKey(const std::string& prefix, int rank);
+std::string joinedKey(const std::string& prefix, int rank);
+std::string admitKey(const std::string& prefix, uint64_t seq);
+std::string secretKey(const std::string& prefix, uint64_t epoch);
 std::string failKey(const std::string& prefix, uint64_t epoch);
 
 // Best effort: records `why` as the failure that ends `epoch` unless one is recorded already.

@@ -14,6 +14,7 @@ from __future__ import annotations
 from . import _build_info
 from ._backend import Options, TorchVersionMismatch, backend_for as _backend_for
 from ._entry import register as _register
+from .elastic import admit_joiners, membership, on_membership_change, sync_training_state
 
 __version__ = _build_info.XIRANG_VERSION
 
@@ -75,28 +76,6 @@ def stats(process_group=None, gather: bool = False):
     return out
 
 
-def membership(process_group=None) -> dict:
-    """Elastic membership of `process_group` (default group) as this rank sees it.
-
-    Returns a dict: epoch (0 until the first failure), live (group ranks still in the ring,
-    ascending), ring (live ranks in ring order), world_size (the group's original size),
-    recoveries, last_recovery_s (seconds from noticing the failure to the rebuilt ring),
-    last_agreement_s (of which the agreement through the store), last_failure (the reason).
-    """
-    return dict(_backend_for(process_group).membership())
-
-
-def on_membership_change(fn, process_group=None) -> None:
-    """Call fn(membership_dict) after every ring rebuild of `process_group` (default group).
-
-    fn runs on xirang's communication thread, with the GIL, before the group's next operation
-    runs: keep it short (e.g. record the live ranks for the data loader to re-shard at the next
-    step) and do not issue collectives from it. Exceptions are reported as unraisable. fn=None
-    removes the callback.
-    """
-    _backend_for(process_group).set_membership_callback(fn)
-
-
 def __getattr__(name):
     # xirang.MembershipChanged lives in the extension; load it only when asked for.
     if name == "MembershipChanged":
@@ -121,6 +100,8 @@ __all__ = [
     "stats",
     "membership",
     "on_membership_change",
+    "admit_joiners",
+    "sync_training_state",
     "register_comm_hook",
     "hooks",
 ]

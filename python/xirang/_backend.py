@@ -157,6 +157,7 @@ def create(dist_backend_opts, backend_options):
         run_id,
         elastic,
         heartbeat_s,
+        _env_flag("XIRANG_JOIN"),
     )
 
 

@@ -349,3 +349,104 @@ def test_ddp_hook_survives_a_killed_rank():
     loss, ref_loss = res[0]["loss"], ref[0]["loss"]
     print(f"final eval loss: elastic {loss:.5f}, 3-rank run resumed from step {KILL_AT}: {ref_loss:.5f}")
     assert abs(loss - ref_loss) <= 0.05 * ref_loss, (loss, ref_loss)
+
+
+# ---------------------------------------------------------------- a spare rejoins at step 40
+JOIN_AT = 40
+
+
+def _rebuild_ddp(model, old_ddp=None, old_state=None):
+    """A new DDP wrapper + hook over the grown group; survivors keep their residuals."""
+    X = _xirang()
+    import gc
+
+    sd = old_state.state_dict() if old_state is not None else None
+    del old_ddp, old_state
+    gc.collect()  # the old reducer's autograd hooks go with it
+    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, bucket_cap_mb=0.01)
+    state = X.register_comm_hook(ddp)
+    if sd is not None:
+        state.load_state_dict(sd)
+    return ddp, state
+
+
+def w_ddp_rejoin():
+    X = _xirang()
+    me = dist.get_rank()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ddp, state = _rebuild_ddp(model)
+    live = list(range(dist.get_world_size()))
+    X.on_membership_change(lambda m: live.__setitem__(slice(None), m["live"]))
+    joined = []
+    for step in range(STEPS):
+        if step == KILL_AT and me == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == JOIN_AT - 5 and me == 0:
+            mp_pool.W.store.set("start_spare", "1")  # the spare node comes up
+        if step == JOIN_AT:
+            joined = X.admit_joiners(expect=1, wait_s=60)
+            if joined:
+                assert X.sync_training_state(model, opt, step) == step
+                ddp, state = _rebuild_ddp(model, ddp, state)
+        x, y = _batch(step, live.index(me), len(live))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return dict(params=params, m=X.membership(), joined=joined)
+
+
+def spare_main(port: int, prefix: str, rank: int, world_size: int, out: str) -> None:
+    """The spare node's process (run with XIRANG_JOIN=1): waits for the signal to come up, joins
+    as `rank`, copies the training state and trains to the end."""
+    import datetime
+
+    X = _xirang()
+    torch.set_num_threads(1)
+    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    store = dist.PrefixStore(prefix, base)
+    store.wait(["start_spare"])
+    dist.init_process_group("xirang", store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = X.sync_training_state(model, opt)
+    ddp, _state = _rebuild_ddp(model)
+    live = X.membership()["live"]
+    for s in range(step, STEPS):
+        x, y = _batch(s, live.index(rank), len(live))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.save(dict(params=params, m=X.membership(), step=step), out)
+    dist.destroy_process_group()
+
+
+def test_spare_rejoins_at_step_40():
+    import subprocess
+    import sys
+
+    out = os.path.join(tempfile.mkdtemp(prefix="xrspare"), "spare.pt")
+    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="1.0")
+    with mp_pool.Pool(4, "xirang", timeout_s=60, env=env) as pool:
+        here = os.path.dirname(os.path.abspath(__file__))
+        spare = subprocess.Popen(
+            [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_elastic as t; "
+             f"t.spare_main({pool.store.port}, {pool.prefix!r}, 2, 4, {out!r})"],
+            env=dict(os.environ, XIRANG_JOIN="1", OMP_NUM_THREADS="1", **env), start_new_session=True)
+        try:
+            res = pool.run(w_ddp_rejoin, allow_exit=[2], timeout=240)
+            assert spare.wait(timeout=120) == 0, "the spare failed"
+        finally:
+            if spare.poll() is None:
+                spare.kill()
+    sp = torch.load(out)
+    assert sp["step"] == JOIN_AT
+    assert sp["m"]["live"] == [0, 1, 2, 3]
+    for r in (0, 1, 3):
+        assert res[r]["joined"] == [2]
+        assert res[r]["m"]["live"] == [0, 1, 2, 3] and res[r]["m"]["epoch"] == 2
+        assert torch.equal(res[r]["params"], res[0]["params"])
+    assert torch.equal(sp["params"], res[0]["params"]), "the spare's parameters differ from rank 0's"

@@ -19,6 +19,7 @@ const char* opKindName(OpKind k) {
     case OpKind::Send: return "send";
     case OpKind::AllreduceEF: return "allreduce_bf16_ef";
     case OpKind::Ack: return "ack";
+    case OpKind::Admit: return "admit_joiners";
   }
   return "unknown";
 }

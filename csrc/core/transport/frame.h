@@ -34,7 +34,8 @@ enum class OpKind : uint8_t {
   Barrier = 9,
   Send = 10,
   AllreduceEF = 11,
-  Ack = 12,  // elastic mode: "I hold this op's result" (empty frame to every live rank)
+  Ack = 12,    // elastic mode: "I hold this op's result" (empty frame to every live rank)
+  Admit = 13,  // elastic mode: spares admitted at a step boundary (no frames of its own)
 };
 const char* opKindName(OpKind k);
 
