@@ -301,8 +301,8 @@ PYBIND11_MODULE(_C, m) {
          "last_agreement_s (seconds) and last_failure (the reason recorded).")
       .def("admit_joiners", &xirang::ProcessGroupXirang::admitJoiners, py::arg("expect") = 0,
            py::arg("wait_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
-           "Collective over the live ranks at a step boundary: admit waiting spares (XIRANG_JOIN=1);\n"
-           "the lowest live rank waits up to wait_s seconds for at least `expect`. Returns a Work.")
+           "Collective over the live ranks at a step boundary: admit waiting spares (XIRANG_JOIN=1) if at\n"
+           "least `expect` are waiting (the lowest live rank waits up to wait_s seconds). Returns a Work.")
       .def("set_membership_callback", [](xirang::ProcessGroupXirang& pg, py::object fn) {
         if (fn.is_none()) {
           pg.setMembershipCallback(nullptr);

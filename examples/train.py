@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import glob
 import json
 import logging
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -123,6 +125,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--summary", default=None, metavar="PATH", help="also write the JSON summary here")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--log-level", default="INFO")
+    e = p.add_argument_group("elastic mode (xirang; see README 'Elastic mode')")
+    e.add_argument("--elastic", action="store_true",
+                   help="survive lost ranks: the survivors rebuild the ring and train on, re-sharding "
+                        "each step's global batch over the live ranks; a process started with "
+                        "XIRANG_JOIN=1 and a dead rank's RANK takes its place at the next admission")
+    e.add_argument("--admit-every", type=int, default=20, metavar="N",
+                   help="--elastic: admit waiting spares every N steps (0 = never)")
+    e.add_argument("--die-at", type=int, default=None, metavar="STEP",
+                   help="--elastic demo: the ranks in --die-ranks SIGKILL themselves at STEP, "
+                        "as if their node had crashed")
+    e.add_argument("--die-ranks", default="", metavar="R,R",
+                   help="--elastic demo: comma-separated ranks that die at --die-at")
+    e.add_argument("--log-every", type=int, default=0, metavar="N",
+                   help="print the live ranks' mean training loss every N steps (0 = never)")
     args = p.parse_args(argv)
 
     if args.hook is None:
@@ -137,6 +153,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--compare runs two trainings; use --save/--resume with a single configuration")
     if ":" not in args.compare_with:
         p.error("--compare-with takes BACKEND:HOOK, e.g. xirang:bf16-ef")
+    if args.elastic:
+        if args.backend != "xirang" or args.compare:
+            p.error("--elastic needs --backend xirang and a single configuration (no --compare)")
+        if args.save or args.resume:
+            p.error("--elastic: --save/--resume are not supported (checkpoints assume a fixed world)")
+        args.probe_steps = 0  # the probe assumes every rank is there
+    args.die_ranks = [int(r) for r in args.die_ranks.split(",") if r.strip()]
+    if args.die_ranks and args.die_at is None:
+        p.error("--die-ranks needs --die-at")
     return args
 
 
@@ -394,11 +419,12 @@ class Launch:
         self.store, _, _ = next(dist.rendezvous("env://", self.rank, self.world))
         self.count = 0
 
-    def init(self, backend: str, device: torch.device) -> None:
+    def init(self, backend: str, device: torch.device, pg_options: Any = None) -> None:
         self.count += 1
         store = dist.PrefixStore(f"xirang-train/run{self.count}", self.store)
         # (the current CUDA device is set in main(); no device_id, so no eager NCCL-style init)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world)
+        kw = {"pg_options": pg_options} if pg_options is not None else {}
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, **kw)
 
 
 def _free_port() -> int:
@@ -529,7 +555,7 @@ def train_one(cfg: RunConfig, args: argparse.Namespace, launch: Launch, data: An
     xirang = None
     if cfg.backend == "xirang" or cfg.hook != "none":
         xirang = import_xirang(f"--backend {cfg.backend} --hook {cfg.hook}")
-    launch.init(cfg.backend, device)
+    launch.init(cfg.backend, device, xirang.Options(elastic=True) if args.elastic else None)
     try:
         return _train_in_group(cfg, args, launch, data, device, xirang, tag)
     finally:
@@ -552,6 +578,13 @@ def _train_in_group(cfg: RunConfig, args: argparse.Namespace, launch: Launch, da
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     start_step, losses = 0, []
+    live = list(range(world))  # --elastic: the live ranks; each step's batch is cut over them
+    if args.elastic:
+        xirang.on_membership_change(lambda m: live.__setitem__(slice(None), m["live"]))
+        live[:] = xirang.membership()["live"]
+        if xirang.membership()["source"] >= 0:  # a spare (XIRANG_JOIN=1) that was just admitted
+            start_step = xirang.sync_training_state(model, opt)
+            log.warning("rank %d joined at step %d (live ranks %s)", rank, start_step, live)
     ck = None
     if args.resume:
         ck = load_checkpoint(args.resume, launch)
@@ -559,8 +592,9 @@ def _train_in_group(cfg: RunConfig, args: argparse.Namespace, launch: Launch, da
         opt.load_state_dict(ck["optimizer"])
         start_step, losses = int(ck["step"]), list(ck["losses"])
 
+    # Elastic: no per-forward buffer broadcast (its root may be gone); see README "Elastic mode".
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=args.bucket_cap_mb)
+              bucket_cap_mb=args.bucket_cap_mb, broadcast_buffers=not args.elastic)
     state = None
     if cfg.hook == "bf16-ef":
         state = xirang.register_comm_hook(ddp, layers_per_group=args.layers_per_group)
@@ -594,7 +628,15 @@ def _train_in_group(cfg: RunConfig, args: argparse.Namespace, launch: Launch, da
     t_train = time.perf_counter()
     stop = args.steps if args.stop_at is None else max(start_step, min(args.steps, args.stop_at))
     for step in range(start_step, stop):
-        x, y = data.batch(args.seed, step, rank, world, args.batch_size)
+        if args.elastic:
+            if args.die_at == step and rank in args.die_ranks:
+                os.kill(os.getpid(), signal.SIGKILL)  # the demo's node crash
+            if args.admit_every and step > start_step and step % args.admit_every == 0:
+                ddp, state = _admit_spares(xirang, model, opt, ddp, state, step, args, device)
+            if args.log_every and step % args.log_every == 0:
+                _log_elastic(xirang, step, local_losses[-1] if local_losses else None, live, rank)
+        pos, n_shards = (live.index(rank), len(live)) if args.elastic else (rank, world)
+        x, y = data.batch(args.seed, step, pos, n_shards, args.batch_size)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
@@ -622,8 +664,9 @@ def _train_in_group(cfg: RunConfig, args: argparse.Namespace, launch: Launch, da
     if bar is not None:
         bar.close()
 
-    # Global mean loss per step: one allreduce of the whole history, not one per step.
-    losses = losses + _global_mean(local_losses, device)
+    # Global mean loss per step: one allreduce of the whole history, not one per step. (Elastic:
+    # ranks may have run different numbers of steps, so each rank's own history.)
+    losses = losses + (local_losses if args.elastic else _global_mean(local_losses, device))
     if args.save:
         save_checkpoint(args.save, launch, stop, ddp, opt, state, losses, cfg, args)
 
@@ -647,7 +690,7 @@ def _train_in_group(cfg: RunConfig, args: argparse.Namespace, launch: Launch, da
     exposed_hook = hookf["exposed_comm_s"] if hookf else None
 
     # Every rank sends its timing; the summary reports the slowest rank (the step waits for it).
-    step_time_all = _gather_floats([mean_step], device)
+    step_time_all = _gather_floats([mean_step], device) if not args.elastic else _max_over_live(mean_step, device)
     summary = {
         "config": cfg.name, "backend": cfg.backend, "hook": cfg.hook, "task": args.task,
         "world_size": world, "seed": args.seed, "steps": args.steps,
@@ -669,6 +712,8 @@ def _train_in_group(cfg: RunConfig, args: argparse.Namespace, launch: Launch, da
         "device": str(device),
         "torch": torch.__version__,
     }
+    if args.elastic:
+        summary["membership"] = xirang.membership()
     if args.stats_dir:
         _dump(os.path.join(args.stats_dir, f"{tag}{cfg.name}.steps.rank{rank}.json"),
               {"step_time_s": step_times, "local_loss": local_losses, "global_loss": losses})
@@ -685,6 +730,56 @@ def _global_mean(vals: List[float], device: torch.device) -> List[float]:
                      device=device)
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
+
+
+def _max_over_live(v: float, device: torch.device) -> List[float]:
+    """--elastic: the slowest live rank's value (MAX allreduce runs on a shrunken ring)."""
+    import xirang
+
+    t = torch.tensor([v], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    xirang.retry_on_membership_change(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), t)
+    return t.tolist()
+
+
+def _admit_spares(xirang: Any, model: nn.Module, opt: Any, ddp: DDP, state: Any, step: int,
+                  args: argparse.Namespace, device: torch.device) -> Tuple[DDP, Any]:
+    """--elastic, at a step boundary on every live rank: admit waiting spares; if any joined,
+    hand them the training state and build a new DDP wrapper over the grown group (survivors
+    keep their hook residuals; spares start from zero)."""
+    try:
+        # DDP's constructor needs every rank: admit only when each dead rank has a spare.
+        missing = dist.get_world_size() - len(xirang.membership()["live"])
+        joined = xirang.admit_joiners(expect=max(1, missing))
+    except xirang.MembershipChanged:  # a rank failed during the admission: try at the next one
+        return ddp, state
+    if not joined:
+        return ddp, state
+    xirang.sync_training_state(model, opt, step)
+    hook_sd = state.state_dict() if state is not None else None
+    del ddp, state
+    gc.collect()  # the old DDP reducer's autograd hooks go with it
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=args.bucket_cap_mb, broadcast_buffers=False)
+    state = None
+    if args.hook == "bf16-ef":
+        state = xirang.register_comm_hook(ddp, layers_per_group=args.layers_per_group)
+        if hook_sd is not None:
+            state.load_state_dict(hook_sd)
+    if dist.get_rank() == min(xirang.membership()["live"]):
+        print(f"step {step}: ranks {joined} joined; live ranks {xirang.membership()['live']}",
+              file=sys.stderr, flush=True)
+    return ddp, state
+
+
+def _log_elastic(xirang: Any, step: int, loss: Optional[float], live: List[int], rank: int) -> None:
+    """--elastic --log-every: the live ranks' mean loss of their previous step (a spare that has
+    not trained yet adds nothing), printed by the lowest live rank; one allreduce."""
+    t = torch.tensor([loss or 0.0, 0.0 if loss is None else 1.0], dtype=torch.float64)
+    xirang.retry_on_membership_change(lambda: dist.all_reduce(t), t)
+    if rank == min(live) and t[1] > 0:
+        m = xirang.membership()
+        print(f"step {step}: loss {float(t[0] / t[1]):.4f}  live ranks {live}  epoch {m['epoch']}",
+              file=sys.stderr, flush=True)
 
 
 def _gather_floats(vals: List[float], device: torch.device) -> List[float]:

@@ -617,6 +617,10 @@ elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
   elastic::Report mine{done_seq_, issued_seq_.load()};
   elastic::HeartbeatWatch watch(*store_, kElasticPrefix,
                                 std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000)));
+  {
+    std::lock_guard<std::mutex> g(watch_mu_);
+    if (hb_watch_) watch.adopt(*hb_watch_);  // a neighbour already silent is stale at once
+  }
   elastic::Decision d =
       elastic::agree(*store_, kElasticPrefix, epoch, live_, rank_, mine, watch, Clock::now() + cfg_.timeout);
   const auto t_agreed = Clock::now();
@@ -676,7 +680,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::admitJoiners(int64_t expect, 
           std::string nonce = store_->get(jk, ctx.deadline);
           if (nonce != "taken") joiners.push_back({r, nonce});
         }
-        if (static_cast<int64_t>(joiners.size()) >= expect || Clock::now() >= until) break;
+        if (static_cast<int64_t>(joiners.size()) >= expect) break;
+        if (Clock::now() >= until) {
+          joiners.clear();  // fewer than `expect` waiting: admit none this time
+          break;
+        }
         if (store_->check(elastic::failKey(kElasticPrefix, epoch_.load())))
           throw transport::TransportError("a failure was reported during the admission", -1);
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -752,6 +760,17 @@ void ProcessGroupXirang::heartbeatLoop() {
   const auto hb = std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000));
   const auto tick = std::max(std::chrono::milliseconds(20), hb / 5);
   auto watch = std::make_unique<elastic::HeartbeatWatch>(*store_, kElasticPrefix, hb);
+  {
+    std::lock_guard<std::mutex> g(watch_mu_);
+    hb_watch_ = watch.get();
+  }
+  struct Unpublish {
+    ProcessGroupXirang* self;
+    ~Unpublish() {
+      std::lock_guard<std::mutex> g(self->watch_mu_);
+      self->hb_watch_ = nullptr;
+    }
+  } unpublish{this};
   uint64_t watched_epoch = 0;
   while (true) {
     {
@@ -762,7 +781,9 @@ void ProcessGroupXirang::heartbeatLoop() {
       store_->add(elastic::heartbeatKey(kElasticPrefix, rank_), 1);
       const uint64_t epoch = epoch_.load();
       if (epoch != watched_epoch) {  // new ring: new neighbours, fresh clocks
+        std::lock_guard<std::mutex> g(watch_mu_);
         watch = std::make_unique<elastic::HeartbeatWatch>(*store_, kElasticPrefix, hb);
+        hb_watch_ = watch.get();
         watched_epoch = epoch;
       }
       if (membership_signal_.load()) continue;
@@ -777,7 +798,12 @@ void ProcessGroupXirang::heartbeatLoop() {
         }
       }
       for (int p : neighbours) {
-        if (watch->stale(p)) {
+        bool stale;
+        {
+          std::lock_guard<std::mutex> g(watch_mu_);
+          stale = watch->stale(p);
+        }
+        if (stale) {
           elastic::reportFailure(*store_, kElasticPrefix, epoch,
                                  "rank " + std::to_string(p) + " missed its heartbeats for " +
                                      std::to_string(watch->silentFor(p)) + " s (XIRANG_HEARTBEAT_S=" +

@@ -200,8 +200,9 @@ class ProcessGroupXirang : public c10d::Backend {
   // Elastic mode (#8). membership(): the current epoch, live ranks and last recovery.
   MembershipInfo membership();
   // A collective over the live ranks, at a step boundary: admits the spares (XIRANG_JOIN=1)
-  // waiting to take dead ranks' places; the lowest live rank waits up to wait_s seconds for at
-  // least `expect` of them. The ring grows back (a new epoch) if any joined; membership()
+  // waiting to take dead ranks' places, if at least `expect` are waiting (the lowest live rank
+  // waits up to wait_s seconds for them; fewer: none is admitted this time, so a DDP rebuild,
+  // which needs every rank, can wait for a full group). The ring grows back (a new epoch) if any joined; membership()
   // then names the source rank of the training state. Errors: MembershipChanged if a rank
   // fails meanwhile; c10::Error without elastic mode.
   c10::intrusive_ptr<c10d::Work> admitJoiners(int64_t expect, double wait_s);
@@ -281,6 +282,8 @@ class ProcessGroupXirang : public c10d::Backend {
   std::function<void()> membership_cb_;
   std::thread hb_thread_;
   bool hb_stop_ = false;  // under mu_
+  std::mutex watch_mu_;   // guards hb_watch_ (the heartbeat thread's view of its neighbours)
+  elastic::HeartbeatWatch* hb_watch_ = nullptr;
   std::condition_variable hb_cv_;
 
   bool coalescing_ = false;

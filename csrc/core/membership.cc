@@ -85,6 +85,10 @@ double HeartbeatWatch::silentFor(int r) const {
   return it == seen_.end() ? 0.0 : std::chrono::duration<double>(Clock::now() - it->second.changed).count();
 }
 
+void HeartbeatWatch::adopt(const HeartbeatWatch& other) {
+  for (const auto& [r, seen] : other.seen_) seen_.insert({r, seen});
+}
+
 Decision agree(transport::Store& store, const std::string& prefix, uint64_t epoch, const std::vector<int>& live,
                int rank, const Report& mine, HeartbeatWatch& watch, transport::Deadline deadline) {
   const std::string decision_key = epochKey(prefix, epoch, "decision");

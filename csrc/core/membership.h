@@ -67,6 +67,9 @@ class HeartbeatWatch {
   bool stale(int r);
   // Seconds since rank r's counter last changed (0 if never read).
   double silentFor(int r) const;
+  // Takes over another watch's observations (same store and prefix): what the heartbeat thread
+  // already saw counts, so a rank silent for a while is stale at once in the agreement.
+  void adopt(const HeartbeatWatch& other);
 
  private:
   struct Seen {

@@ -14,7 +14,7 @@ from __future__ import annotations
 from . import _build_info
 from ._backend import Options, TorchVersionMismatch, backend_for as _backend_for
 from ._entry import register as _register
-from .elastic import admit_joiners, membership, on_membership_change, sync_training_state
+from .elastic import admit_joiners, membership, on_membership_change, retry_on_membership_change, sync_training_state
 
 __version__ = _build_info.XIRANG_VERSION
 
@@ -101,6 +101,7 @@ __all__ = [
     "membership",
     "on_membership_change",
     "admit_joiners",
+    "retry_on_membership_change",
     "sync_training_state",
     "register_comm_hook",
     "hooks",

@@ -44,10 +44,12 @@ def admit_joiners(expect: int = 0, wait_s: float = 0.0, process_group=None) -> L
     """Collective over the live ranks, at a step boundary: admit the spares waiting to take
     dead ranks' places. Returns the group ranks that joined ([] when none was waiting).
 
-    The lowest live rank waits up to ``wait_s`` seconds for at least ``expect`` spares. When
-    ranks join, the ring grows back (a new epoch) and every rank, spares included, must then
-    call :func:`sync_training_state` and build a new DDP wrapper. Raises MembershipChanged if a
-    rank fails meanwhile, RuntimeError without elastic mode.
+    Spares are admitted only if at least ``expect`` are waiting (the lowest live rank waits up
+    to ``wait_s`` seconds for them): DDP's constructor needs every rank of the group, so a
+    trainer that rebuilds DDP passes the number of dead ranks. When ranks join, the ring grows
+    back (a new epoch) and every rank, spares included, must then call
+    :func:`sync_training_state` and build a new DDP wrapper. Raises MembershipChanged if a rank
+    fails meanwhile, RuntimeError without elastic mode.
     """
     be = backend_for(process_group)
     before = set(be.membership()["live"])
@@ -73,3 +75,27 @@ def sync_training_state(model, optimizer=None, step: int = 0, process_group=None
         if optimizer is not None and objs[1] is not None:
             optimizer.load_state_dict(objs[1])
     return int(objs[2])
+
+
+def retry_on_membership_change(fn: Callable[[], Any], *tensors, max_tries: int = 5) -> Any:
+    """Run ``fn()`` (collectives that work in place on ``tensors``); when it raises
+    MembershipChanged, restore the tensors from copies taken before the first try and run it
+    again on the rebuilt ring (the comm hook does the same for its own operation). Returns
+    fn's value. Raises the last MembershipChanged after ``max_tries`` tries.
+
+    Only for operations that still make sense on the shrunken ring (allreduce, broadcast from a
+    live root, barrier); their results then cover the live ranks only (AVG divides by their
+    number).
+    """
+    from ._backend import load_C
+
+    changed = load_C().MembershipChanged
+    saved = [t.clone() for t in tensors]
+    for attempt in range(max_tries):
+        try:
+            return fn()
+        except changed:
+            if attempt == max_tries - 1:
+                raise
+            for t, s in zip(tensors, saved):
+                t.copy_(s)

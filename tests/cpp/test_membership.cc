@@ -160,3 +160,18 @@ TEST_CASE("a later epoch's transport admits only its live members", "[membership
   CHECK(in2 == out);
   CHECK_THROWS_AS(t[1]->connectPeer(0, after(milliseconds(1500))), tp::TransportError);
 }
+
+TEST_CASE("a watch that adopts another's observations calls a long-silent rank stale at once", "[membership]") {
+  MemStore store;
+  store.add(el::heartbeatKey("p", 1), 1);
+  el::HeartbeatWatch seen_before(store, "p", milliseconds(200));
+  CHECK_FALSE(seen_before.stale(1));  // first observation
+  std::this_thread::sleep_for(milliseconds(250));
+  el::HeartbeatWatch fresh(store, "p", milliseconds(200));
+  CHECK_FALSE(fresh.stale(1));  // a fresh watch has no history: not stale yet
+  el::HeartbeatWatch adopted(store, "p", milliseconds(200));
+  adopted.adopt(seen_before);
+  CHECK(adopted.stale(1));  // silent for 250 ms as the older watch saw it
+  store.add(el::heartbeatKey("p", 1), 1);
+  CHECK_FALSE(adopted.stale(1));  // it beat again
+}

@@ -31,20 +31,15 @@ def _xirang():
 
 
 def _retrying(fn, t):
-    """The hook's strategy for a plain caller: keep a copy of the input and, when the op raises
-    MembershipChanged, restore it and issue the op again on the rebuilt ring."""
-    X = _xirang()
-    saved = t.clone()
-    tries = 0
-    while True:
-        try:
-            fn(t)
-            return tries
-        except X.MembershipChanged:
-            tries += 1
-            t.copy_(saved)
-            if tries > 5:
-                raise
+    """xirang.retry_on_membership_change around fn(t); returns how many retries it took."""
+    calls = [0]
+
+    def once():
+        calls[0] += 1
+        fn(t)
+
+    _xirang().retry_on_membership_change(once, t)
+    return calls[0] - 1
 
 
 def _ints(seed: int, n: int) -> torch.Tensor:
