@@ -140,7 +140,47 @@ WorkXirang::WorkXirang(int rank, c10d::OpType type, const char* title, std::vect
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkXirang::getFuture() { return future_; }
 
+namespace {
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+// Times one Work.wait() call into its WaitClock, including a wait that raises.
+class WaitTimer {
+ public:
+  explicit WaitTimer(WaitClock* c) : c_(c) {
+    if (!c_) return;
+    c_->calls.fetch_add(1, std::memory_order_relaxed);
+    t0_ = nowNs();
+    int64_t none = 0;
+    owner_ = c_->since_ns.compare_exchange_strong(none, t0_);
+  }
+  ~WaitTimer() {
+    if (!c_) return;
+    const int64_t t1 = nowNs();
+    if (owner_) c_->since_ns.store(0);
+    c_->blocked_ns.fetch_add(t1 - t0_);
+  }
+  WaitTimer(const WaitTimer&) = delete;
+  WaitTimer& operator=(const WaitTimer&) = delete;
+
+ private:
+  WaitClock* c_;
+  int64_t t0_ = 0;
+  bool owner_ = false;
+};
+}  // namespace
+
+double WaitClock::seconds(int64_t now_ns) const {
+  if (calls.load(std::memory_order_relaxed) == 0) return -1.0;
+  int64_t ns = blocked_ns.load();
+  const int64_t since = since_ns.load();
+  if (since != 0 && now_ns > since) ns += now_ns - since;
+  return static_cast<double>(ns) * 1e-9;
+}
+
 bool WorkXirang::wait(std::chrono::milliseconds timeout) {
+  WaitTimer timer(wait_clock_.get());
   if (timeout != kNoTimeout) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
@@ -218,6 +258,7 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   topts.ifname = env::get("XIRANG_SOCKET_IFNAME");
   topts.handshake_timeout = std::chrono::milliseconds(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS"));
   record_capacity_ = static_cast<size_t>(std::max<int64_t>(1, env::getInt("XIRANG_STATS_CAPACITY")));
+  records_on_ = env::getBool("XIRANG_STATS");
   TORCH_CHECK(!cfg_.join || cfg_.elastic, "xirang rank ", rank,
               ": XIRANG_JOIN=1 (a spare taking a dead rank's place) needs elastic mode (XIRANG_ELASTIC=1)");
   try {
@@ -268,7 +309,9 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   env::log(env::Level::Info, rank,
            "group '" + cfg_.group_name + "' size " + std::to_string(size) + " address " + address() +
                " algorithm " + algo + " ring [ " + ring.str() + "] codec " + codec::pathName(codec::activePath()));
-  if (!cfg_.stats_dir.empty()) {
+  if (!cfg_.stats_dir.empty() && !records_on_) {
+    env::log(env::Level::Warn, rank, "XIRANG_STATS=0: no records, so nothing is written to XIRANG_STATS_DIR");
+  } else if (!cfg_.stats_dir.empty()) {
     std::string path = cfg_.stats_dir + "/rank" + std::to_string(cfg_.global_rank) + ".jsonl";
     stats_file_ = std::fopen(path.c_str(), "a");
     if (!stats_file_) env::log(env::Level::Warn, rank, "cannot open " + path + " for the stats records");
@@ -368,16 +411,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::enqueue(c10d::OpType type, co
   op.save = std::move(save);
   op.timeout = timeout.count() < 0 ? cfg_.timeout : timeout;
   op.tls = at::ThreadLocalState();
-  op.enqueued = Clock::now();
-  op.rec.seq = op.ctx.seq;
+  // The op's name is needed for messages with or without records.
   op.rec.op = kind == OpKind::AllreduceEF ? "allreduce_bf16_ef"
               : title                      ? std::string(title).substr(std::strlen("xirang:"))
                                            : transport::opKindName(kind);
-  op.rec.group_id = group_id;
-  op.rec.label = std::move(label);
-  op.rec.dtype = dtypeName(dtype);
-  op.rec.numel = numel;
-  op.rec.t_enqueue = std::chrono::duration<double>(op.enqueued - created_).count();
+  if (records_on_) {
+    op.enqueued = Clock::now();
+    op.rec.seq = op.ctx.seq;
+    op.rec.group_id = group_id;
+    op.rec.label = std::move(label);
+    op.rec.dtype = dtypeName(dtype);
+    op.rec.numel = numel;
+    op.rec.t_enqueue = std::chrono::duration<double>(op.enqueued - created_).count();
+    op.rec.wait = std::make_shared<WaitClock>();
+    work->wait_clock_ = op.rec.wait;
+    op.rec_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - op.enqueued).count());
+  }
   work->desc_ = "xirang rank " + std::to_string(rank_) + ": " + describe(op);
   if (env::logLevel() >= env::Level::Trace)
     env::log(env::Level::Trace, rank_, "enqueue " + describe(op));
@@ -432,14 +481,15 @@ void ProcessGroupXirang::runLoop() {
       std::lock_guard<std::mutex> g(mu_);
       poison = poison_;
     }
-    auto start = Clock::now();
+    Clock::time_point start;
+    if (records_on_) start = Clock::now();
     Phases ph;
     if (!poison.empty()) {
       error = std::make_exception_ptr(std::runtime_error(poison));
     } else {
       try {
         at::ThreadLocalStateGuard guard(op.tls);
-        op.ctx.phases = &ph;
+        op.ctx.phases = records_on_ ? &ph : nullptr;
         runOp(op);
       } catch (const MembershipChanged& e) {
         env::log(env::Level::Warn, rank_, e.what());
@@ -464,7 +514,12 @@ void ProcessGroupXirang::runLoop() {
         error = std::make_exception_ptr(std::runtime_error(msg));
       }
     }
-    auto end = Clock::now();
+    if (!records_on_) {
+      op.work->complete(error);
+      continue;
+    }
+    // From here to the push: the record's cost on this thread (recordCost()).
+    const auto end = Clock::now();
     op.rec.queued_s = std::chrono::duration<double>(start - op.enqueued).count();
     op.rec.total_s = std::chrono::duration<double>(end - start).count();
     op.rec.encode_s = ph.encode_s;
@@ -482,12 +537,22 @@ void ProcessGroupXirang::runLoop() {
       if (peer < static_cast<int>(cfg_.racks.size()) && cfg_.racks[peer] != cfg_.racks[rank_])
         op.rec.bytes_cross_rack += st.bytes_sent;
     }
-    if (stats_file_) writeRecord(op.rec);
+    if (stats_file_) {
+      // The line carries the exposed wait known now: a caller already blocked has waited since
+      // it began (up to `end`, before the wake-up); one that has not begun yet is unknown.
+      op.rec.exposed_wait_s = op.rec.wait->seconds(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count());
+      writeRecord(op.rec);
+    }
     {
       std::lock_guard<std::mutex> g(rec_mu_);
       records_.push_back(std::move(op.rec));
       while (records_.size() > record_capacity_) records_.pop_front();
     }
+    record_ns_.fetch_add(op.rec_ns + static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         Clock::now() - end).count()),
+                         std::memory_order_relaxed);
+    records_built_.fetch_add(1, std::memory_order_relaxed);
     op.work->complete(error);
   }
 }
@@ -853,7 +918,10 @@ void ProcessGroupXirang::writeRecord(const OpRecord& r) {
     << ",\"t_enqueue\":" << r.t_enqueue << ",\"queued_s\":" << r.queued_s << ",\"encode_s\":" << r.encode_s
     << ",\"scatter_reduce_s\":" << r.scatter_reduce_s << ",\"allgather_s\":" << r.allgather_s
     << ",\"decode_s\":" << r.decode_s << ",\"total_s\":" << r.total_s << ",\"ok\":" << (r.ok ? "true" : "false")
-    << ",\"peers\":[";
+    << ",\"exposed_wait_s\":";
+  if (r.exposed_wait_s < 0) o << "null";
+  else o << r.exposed_wait_s;
+  o << ",\"peers\":[";
   for (size_t i = 0; i < r.peers.size(); ++i) {
     const auto& p = r.peers[i];
     o << (i ? "," : "") << "{\"peer\":" << p.peer << ",\"send_s\":" << p.send_s << ",\"recv_s\":" << p.recv_s
@@ -866,8 +934,15 @@ void ProcessGroupXirang::writeRecord(const OpRecord& r) {
 }
 
 std::vector<OpRecord> ProcessGroupXirang::records() {
-  std::lock_guard<std::mutex> g(rec_mu_);
-  return std::vector<OpRecord>(records_.begin(), records_.end());
+  std::vector<OpRecord> out;
+  {
+    std::lock_guard<std::mutex> g(rec_mu_);
+    out.assign(records_.begin(), records_.end());
+  }
+  const int64_t now = nowNs();
+  for (auto& r : out)
+    if (r.wait) r.exposed_wait_s = r.wait->seconds(now);
+  return out;
 }
 
 void ProcessGroupXirang::clearRecords() {
