@@ -3,7 +3,10 @@
 #include <ATen/ThreadLocalState.h>
 #include <c10/util/Exception.h>
 
+#include <charconv>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -887,48 +890,90 @@ void ProcessGroupXirang::setMembershipCallback(std::function<void()> fn) {
 }
 
 namespace {
-std::string jsonEscape(const std::string& in) {
-  std::string out;
-  for (char c : in) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += c;
-    }
+// One JSON object built by appending to a string: std::to_chars for numbers (the shortest text
+// that reads back to the same double), no iostreams. An ostringstream with precision(9) made the
+// line cost ~10 us, most of a JSON record's cost (benchmarks/stats_overhead.py).
+class JsonLine {
+ public:
+  JsonLine() { s_.reserve(640); }
+  JsonLine& key(const char* k) {
+    s_ += first_ ? "{\"" : ",\"";
+    first_ = false;
+    s_ += k;
+    s_ += "\":";
+    return *this;
   }
-  return out;
-}
+  JsonLine& str(const std::string& v) {
+    s_ += '"';
+    for (char c : v) {
+      if (c == '"' || c == '\\') {
+        s_ += '\\';
+        s_ += c;
+      } else if (static_cast<unsigned char>(c) < 0x20) {
+        char buf[8];
+        std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+        s_ += buf;
+      } else {
+        s_ += c;
+      }
+    }
+    s_ += '"';
+    return *this;
+  }
+  template <typename T>
+  JsonLine& num(T v) {
+    if constexpr (std::is_floating_point_v<T>) {
+      if (!std::isfinite(v)) return raw("null");
+    }
+    char buf[32];
+    auto res = std::to_chars(buf, buf + sizeof(buf), v);
+    s_.append(buf, res.ptr);
+    return *this;
+  }
+  JsonLine& raw(const char* v) {
+    s_ += v;
+    return *this;
+  }
+  JsonLine& open() {  // the next key() opens a new object (one inside an array)
+    first_ = true;
+    return *this;
+  }
+  JsonLine& close(char c) {
+    s_ += c;
+    return *this;
+  }
+  std::string& text() { return s_; }
+
+ private:
+  std::string s_;
+  bool first_ = true;
+};
 }  // namespace
 
 // One JSON line per operation in XIRANG_STATS_DIR/rank<global rank>.jsonl (communication thread).
 void ProcessGroupXirang::writeRecord(const OpRecord& r) {
-  std::ostringstream o;
-  o.precision(9);
-  o << "{\"run_id\":\"" << jsonEscape(cfg_.run_id) << "\",\"pg\":\"" << jsonEscape(cfg_.group_name)
-    << "\",\"group_rank\":" << rank_ << ",\"global_rank\":" << cfg_.global_rank << ",\"world_size\":" << size_
-    << ",\"seq\":" << r.seq << ",\"op\":\"" << r.op << "\",\"algorithm\":\"" << r.algorithm
-    << "\",\"group_id\":" << r.group_id << ",\"label\":\"" << jsonEscape(r.label) << "\",\"dtype\":\"" << r.dtype
-    << "\",\"numel\":" << r.numel << ",\"bytes_raw\":" << r.bytes_raw << ",\"bytes_wire\":" << r.bytes_wire
-    << ",\"bytes_cross_host\":" << r.bytes_cross_host << ",\"bytes_cross_rack\":" << r.bytes_cross_rack
-    << ",\"t_enqueue\":" << r.t_enqueue << ",\"queued_s\":" << r.queued_s << ",\"encode_s\":" << r.encode_s
-    << ",\"scatter_reduce_s\":" << r.scatter_reduce_s << ",\"allgather_s\":" << r.allgather_s
-    << ",\"decode_s\":" << r.decode_s << ",\"total_s\":" << r.total_s << ",\"ok\":" << (r.ok ? "true" : "false")
-    << ",\"exposed_wait_s\":";
-  if (r.exposed_wait_s < 0) o << "null";
-  else o << r.exposed_wait_s;
-  o << ",\"peers\":[";
+  JsonLine j;
+  j.key("run_id").str(cfg_.run_id).key("pg").str(cfg_.group_name);
+  j.key("group_rank").num(rank_).key("global_rank").num(cfg_.global_rank).key("world_size").num(size_);
+  j.key("seq").num(r.seq).key("op").str(r.op).key("algorithm").str(r.algorithm);
+  j.key("group_id").num(r.group_id).key("label").str(r.label).key("dtype").str(r.dtype);
+  j.key("numel").num(r.numel).key("bytes_raw").num(r.bytes_raw).key("bytes_wire").num(r.bytes_wire);
+  j.key("bytes_cross_host").num(r.bytes_cross_host).key("bytes_cross_rack").num(r.bytes_cross_rack);
+  j.key("t_enqueue").num(r.t_enqueue).key("queued_s").num(r.queued_s).key("encode_s").num(r.encode_s);
+  j.key("scatter_reduce_s").num(r.scatter_reduce_s).key("allgather_s").num(r.allgather_s);
+  j.key("decode_s").num(r.decode_s).key("total_s").num(r.total_s).key("ok").raw(r.ok ? "true" : "false");
+  j.key("exposed_wait_s");
+  if (r.exposed_wait_s < 0) j.raw("null");
+  else j.num(r.exposed_wait_s);
+  j.key("peers").raw("[");
   for (size_t i = 0; i < r.peers.size(); ++i) {
     const auto& p = r.peers[i];
-    o << (i ? "," : "") << "{\"peer\":" << p.peer << ",\"send_s\":" << p.send_s << ",\"recv_s\":" << p.recv_s
-      << ",\"bytes_sent\":" << p.bytes_sent << ",\"bytes_recv\":" << p.bytes_recv << "}";
+    if (i) j.raw(",");
+    j.open().key("peer").num(p.peer).key("send_s").num(p.send_s).key("recv_s").num(p.recv_s);
+    j.key("bytes_sent").num(p.bytes_sent).key("bytes_recv").num(p.bytes_recv).close('}');
   }
-  o << "]}\n";
-  std::string line = o.str();
+  j.raw("]}\n");
+  const std::string& line = j.text();
   std::fwrite(line.data(), 1, line.size(), stats_file_);
   std::fflush(stats_file_);
 }
