@@ -45,6 +45,8 @@ py::dict recordToDict(const xirang::OpRecord& r) {
   d["label"] = r.label;
   d["bytes_cross_host"] = r.bytes_cross_host;
   d["bytes_cross_rack"] = r.bytes_cross_rack;
+  if (r.exposed_wait_s < 0) d["exposed_wait_s"] = py::none();
+  else d["exposed_wait_s"] = r.exposed_wait_s;
   py::list peers;
   for (const auto& p : r.peers) {
     py::dict pd;
@@ -293,6 +295,15 @@ PYBIND11_MODULE(_C, m) {
         return out;
       }, "This rank's operation records, oldest first (bounded by XIRANG_STATS_CAPACITY).")
       .def("clear_records", &xirang::ProcessGroupXirang::clearRecords)
+      .def("record_cost", [](xirang::ProcessGroupXirang& pg) {
+        const auto c = pg.recordCost();
+        py::dict d;
+        d["records"] = c.records;
+        d["ns"] = c.ns;
+        d["on"] = pg.recordsOn();
+        return d;
+      }, "What keeping the records has cost this group so far: records (built), ns (spent building and\n"
+         "storing them, JSON lines included), on (False: created with XIRANG_STATS=0).")
       .def_property_readonly("ring", &xirang::ProcessGroupXirang::ringOrder)
       .def_property_readonly("address", &xirang::ProcessGroupXirang::address)
       .def_property_readonly("sequence_number", &xirang::ProcessGroupXirang::sequenceNumber)

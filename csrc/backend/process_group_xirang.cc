@@ -3,7 +3,10 @@
 #include <ATen/ThreadLocalState.h>
 #include <c10/util/Exception.h>
 
+#include <charconv>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -140,7 +143,47 @@ WorkXirang::WorkXirang(int rank, c10d::OpType type, const char* title, std::vect
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkXirang::getFuture() { return future_; }
 
+namespace {
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+// Times one Work.wait() call into its WaitClock, including a wait that raises.
+class WaitTimer {
+ public:
+  explicit WaitTimer(WaitClock* c) : c_(c) {
+    if (!c_) return;
+    c_->calls.fetch_add(1, std::memory_order_relaxed);
+    t0_ = nowNs();
+    int64_t none = 0;
+    owner_ = c_->since_ns.compare_exchange_strong(none, t0_);
+  }
+  ~WaitTimer() {
+    if (!c_) return;
+    const int64_t t1 = nowNs();
+    if (owner_) c_->since_ns.store(0);
+    c_->blocked_ns.fetch_add(t1 - t0_);
+  }
+  WaitTimer(const WaitTimer&) = delete;
+  WaitTimer& operator=(const WaitTimer&) = delete;
+
+ private:
+  WaitClock* c_;
+  int64_t t0_ = 0;
+  bool owner_ = false;
+};
+}  // namespace
+
+double WaitClock::seconds(int64_t now_ns) const {
+  if (calls.load(std::memory_order_relaxed) == 0) return -1.0;
+  int64_t ns = blocked_ns.load();
+  const int64_t since = since_ns.load();
+  if (since != 0 && now_ns > since) ns += now_ns - since;
+  return static_cast<double>(ns) * 1e-9;
+}
+
 bool WorkXirang::wait(std::chrono::milliseconds timeout) {
+  WaitTimer timer(wait_clock_.get());
   if (timeout != kNoTimeout) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
@@ -218,6 +261,7 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   topts.ifname = env::get("XIRANG_SOCKET_IFNAME");
   topts.handshake_timeout = std::chrono::milliseconds(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS"));
   record_capacity_ = static_cast<size_t>(std::max<int64_t>(1, env::getInt("XIRANG_STATS_CAPACITY")));
+  records_on_ = env::getBool("XIRANG_STATS");
   TORCH_CHECK(!cfg_.join || cfg_.elastic, "xirang rank ", rank,
               ": XIRANG_JOIN=1 (a spare taking a dead rank's place) needs elastic mode (XIRANG_ELASTIC=1)");
   try {
@@ -268,7 +312,9 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   env::log(env::Level::Info, rank,
            "group '" + cfg_.group_name + "' size " + std::to_string(size) + " address " + address() +
                " algorithm " + algo + " ring [ " + ring.str() + "] codec " + codec::pathName(codec::activePath()));
-  if (!cfg_.stats_dir.empty()) {
+  if (!cfg_.stats_dir.empty() && !records_on_) {
+    env::log(env::Level::Warn, rank, "XIRANG_STATS=0: no records, so nothing is written to XIRANG_STATS_DIR");
+  } else if (!cfg_.stats_dir.empty()) {
     std::string path = cfg_.stats_dir + "/rank" + std::to_string(cfg_.global_rank) + ".jsonl";
     stats_file_ = std::fopen(path.c_str(), "a");
     if (!stats_file_) env::log(env::Level::Warn, rank, "cannot open " + path + " for the stats records");
@@ -368,16 +414,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::enqueue(c10d::OpType type, co
   op.save = std::move(save);
   op.timeout = timeout.count() < 0 ? cfg_.timeout : timeout;
   op.tls = at::ThreadLocalState();
-  op.enqueued = Clock::now();
-  op.rec.seq = op.ctx.seq;
+  // The op's name is needed for messages with or without records.
   op.rec.op = kind == OpKind::AllreduceEF ? "allreduce_bf16_ef"
               : title                      ? std::string(title).substr(std::strlen("xirang:"))
                                            : transport::opKindName(kind);
-  op.rec.group_id = group_id;
-  op.rec.label = std::move(label);
-  op.rec.dtype = dtypeName(dtype);
-  op.rec.numel = numel;
-  op.rec.t_enqueue = std::chrono::duration<double>(op.enqueued - created_).count();
+  if (records_on_) {
+    op.enqueued = Clock::now();
+    op.rec.seq = op.ctx.seq;
+    op.rec.group_id = group_id;
+    op.rec.label = std::move(label);
+    op.rec.dtype = dtypeName(dtype);
+    op.rec.numel = numel;
+    op.rec.t_enqueue = std::chrono::duration<double>(op.enqueued - created_).count();
+    op.rec.wait = std::make_shared<WaitClock>();
+    work->wait_clock_ = op.rec.wait;
+    op.rec_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - op.enqueued).count());
+  }
   work->desc_ = "xirang rank " + std::to_string(rank_) + ": " + describe(op);
   if (env::logLevel() >= env::Level::Trace)
     env::log(env::Level::Trace, rank_, "enqueue " + describe(op));
@@ -432,14 +484,15 @@ void ProcessGroupXirang::runLoop() {
       std::lock_guard<std::mutex> g(mu_);
       poison = poison_;
     }
-    auto start = Clock::now();
+    Clock::time_point start;
+    if (records_on_) start = Clock::now();
     Phases ph;
     if (!poison.empty()) {
       error = std::make_exception_ptr(std::runtime_error(poison));
     } else {
       try {
         at::ThreadLocalStateGuard guard(op.tls);
-        op.ctx.phases = &ph;
+        op.ctx.phases = records_on_ ? &ph : nullptr;
         runOp(op);
       } catch (const MembershipChanged& e) {
         env::log(env::Level::Warn, rank_, e.what());
@@ -464,7 +517,12 @@ void ProcessGroupXirang::runLoop() {
         error = std::make_exception_ptr(std::runtime_error(msg));
       }
     }
-    auto end = Clock::now();
+    if (!records_on_) {
+      op.work->complete(error);
+      continue;
+    }
+    // From here to the push: the record's cost on this thread (recordCost()).
+    const auto end = Clock::now();
     op.rec.queued_s = std::chrono::duration<double>(start - op.enqueued).count();
     op.rec.total_s = std::chrono::duration<double>(end - start).count();
     op.rec.encode_s = ph.encode_s;
@@ -482,12 +540,22 @@ void ProcessGroupXirang::runLoop() {
       if (peer < static_cast<int>(cfg_.racks.size()) && cfg_.racks[peer] != cfg_.racks[rank_])
         op.rec.bytes_cross_rack += st.bytes_sent;
     }
-    if (stats_file_) writeRecord(op.rec);
+    if (stats_file_) {
+      // The line carries the exposed wait known now: a caller already blocked has waited since
+      // it began (up to `end`, before the wake-up); one that has not begun yet is unknown.
+      op.rec.exposed_wait_s = op.rec.wait->seconds(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count());
+      writeRecord(op.rec);
+    }
     {
       std::lock_guard<std::mutex> g(rec_mu_);
       records_.push_back(std::move(op.rec));
       while (records_.size() > record_capacity_) records_.pop_front();
     }
+    record_ns_.fetch_add(op.rec_ns + static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         Clock::now() - end).count()),
+                         std::memory_order_relaxed);
+    records_built_.fetch_add(1, std::memory_order_relaxed);
     op.work->complete(error);
   }
 }
@@ -848,52 +916,104 @@ void ProcessGroupXirang::setMembershipCallback(std::function<void()> fn) {
 }
 
 namespace {
-std::string jsonEscape(const std::string& in) {
-  std::string out;
-  for (char c : in) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += c;
-    }
+// One JSON object built by appending to a string: std::to_chars for numbers (the shortest text
+// that reads back to the same double), no iostreams. An ostringstream with precision(9) made the
+// line cost ~10 us, most of a JSON record's cost (benchmarks/stats_overhead.py).
+class JsonLine {
+ public:
+  JsonLine() { s_.reserve(640); }
+  JsonLine& key(const char* k) {
+    s_ += first_ ? "{\"" : ",\"";
+    first_ = false;
+    s_ += k;
+    s_ += "\":";
+    return *this;
   }
-  return out;
-}
+  JsonLine& str(const std::string& v) {
+    s_ += '"';
+    for (char c : v) {
+      if (c == '"' || c == '\\') {
+        s_ += '\\';
+        s_ += c;
+      } else if (static_cast<unsigned char>(c) < 0x20) {
+        char buf[8];
+        std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+        s_ += buf;
+      } else {
+        s_ += c;
+      }
+    }
+    s_ += '"';
+    return *this;
+  }
+  template <typename T>
+  JsonLine& num(T v) {
+    if constexpr (std::is_floating_point_v<T>) {
+      if (!std::isfinite(v)) return raw("null");
+    }
+    char buf[32];
+    auto res = std::to_chars(buf, buf + sizeof(buf), v);
+    s_.append(buf, res.ptr);
+    return *this;
+  }
+  JsonLine& raw(const char* v) {
+    s_ += v;
+    return *this;
+  }
+  JsonLine& open() {  // the next key() opens a new object (one inside an array)
+    first_ = true;
+    return *this;
+  }
+  JsonLine& close(char c) {
+    s_ += c;
+    return *this;
+  }
+  std::string& text() { return s_; }
+
+ private:
+  std::string s_;
+  bool first_ = true;
+};
 }  // namespace
 
 // One JSON line per operation in XIRANG_STATS_DIR/rank<global rank>.jsonl (communication thread).
 void ProcessGroupXirang::writeRecord(const OpRecord& r) {
-  std::ostringstream o;
-  o.precision(9);
-  o << "{\"run_id\":\"" << jsonEscape(cfg_.run_id) << "\",\"pg\":\"" << jsonEscape(cfg_.group_name)
-    << "\",\"group_rank\":" << rank_ << ",\"global_rank\":" << cfg_.global_rank << ",\"world_size\":" << size_
-    << ",\"seq\":" << r.seq << ",\"op\":\"" << r.op << "\",\"algorithm\":\"" << r.algorithm
-    << "\",\"group_id\":" << r.group_id << ",\"label\":\"" << jsonEscape(r.label) << "\",\"dtype\":\"" << r.dtype
-    << "\",\"numel\":" << r.numel << ",\"bytes_raw\":" << r.bytes_raw << ",\"bytes_wire\":" << r.bytes_wire
-    << ",\"bytes_cross_host\":" << r.bytes_cross_host << ",\"bytes_cross_rack\":" << r.bytes_cross_rack
-    << ",\"t_enqueue\":" << r.t_enqueue << ",\"queued_s\":" << r.queued_s << ",\"encode_s\":" << r.encode_s
-    << ",\"scatter_reduce_s\":" << r.scatter_reduce_s << ",\"allgather_s\":" << r.allgather_s
-    << ",\"decode_s\":" << r.decode_s << ",\"total_s\":" << r.total_s << ",\"ok\":" << (r.ok ? "true" : "false")
-    << ",\"peers\":[";
+  JsonLine j;
+  j.key("run_id").str(cfg_.run_id).key("pg").str(cfg_.group_name);
+  j.key("group_rank").num(rank_).key("global_rank").num(cfg_.global_rank).key("world_size").num(size_);
+  j.key("seq").num(r.seq).key("op").str(r.op).key("algorithm").str(r.algorithm);
+  j.key("group_id").num(r.group_id).key("label").str(r.label).key("dtype").str(r.dtype);
+  j.key("numel").num(r.numel).key("bytes_raw").num(r.bytes_raw).key("bytes_wire").num(r.bytes_wire);
+  j.key("bytes_cross_host").num(r.bytes_cross_host).key("bytes_cross_rack").num(r.bytes_cross_rack);
+  j.key("t_enqueue").num(r.t_enqueue).key("queued_s").num(r.queued_s).key("encode_s").num(r.encode_s);
+  j.key("scatter_reduce_s").num(r.scatter_reduce_s).key("allgather_s").num(r.allgather_s);
+  j.key("decode_s").num(r.decode_s).key("total_s").num(r.total_s).key("ok").raw(r.ok ? "true" : "false");
+  j.key("exposed_wait_s");
+  if (r.exposed_wait_s < 0) j.raw("null");
+  else j.num(r.exposed_wait_s);
+  j.key("peers").raw("[");
   for (size_t i = 0; i < r.peers.size(); ++i) {
     const auto& p = r.peers[i];
-    o << (i ? "," : "") << "{\"peer\":" << p.peer << ",\"send_s\":" << p.send_s << ",\"recv_s\":" << p.recv_s
-      << ",\"bytes_sent\":" << p.bytes_sent << ",\"bytes_recv\":" << p.bytes_recv << "}";
+    if (i) j.raw(",");
+    j.open().key("peer").num(p.peer).key("send_s").num(p.send_s).key("recv_s").num(p.recv_s);
+    j.key("bytes_sent").num(p.bytes_sent).key("bytes_recv").num(p.bytes_recv).close('}');
   }
-  o << "]}\n";
-  std::string line = o.str();
+  j.raw("]}\n");
+  const std::string& line = j.text();
   std::fwrite(line.data(), 1, line.size(), stats_file_);
   std::fflush(stats_file_);
 }
 
 std::vector<OpRecord> ProcessGroupXirang::records() {
-  std::lock_guard<std::mutex> g(rec_mu_);
-  return std::vector<OpRecord>(records_.begin(), records_.end());
+  std::vector<OpRecord> out;
+  {
+    std::lock_guard<std::mutex> g(rec_mu_);
+    out.assign(records_.begin(), records_.end());
+  }
+  const int64_t now = nowNs();
+  for (auto& r : out)
+    if (r.wait) r.exposed_wait_s = r.wait->seconds(now);
+  return out;
 }
 
 void ProcessGroupXirang::clearRecords() {

@@ -37,6 +37,23 @@
 
 namespace xirang {
 
+// How long the caller blocked in Work.wait() on one operation: its exposed wait. Shared by the
+// Work and the operation's record, because the record is taken when the operation completes
+// while a wait ends later (after the wake-up) or only begins later (an async op waited on after
+// other work). Counted: every WorkXirang::wait() call, which is what torch.distributed's
+// synchronous collectives (async_op=False) and Work.wait() run. Not counted: waits on the Work's
+// Future (fut.wait(), DDP waiting on comm-hook futures at the end of backward), polling
+// is_completed(), and on CUDA the caller's stream waiting for the copies back (the CPU does not
+// block on it).
+struct WaitClock {
+  std::atomic<int64_t> blocked_ns{0};  // summed over the Work.wait() calls that returned
+  std::atomic<int64_t> since_ns{0};    // steady-clock ns at which a wait in progress began; 0: none
+  std::atomic<uint32_t> calls{0};      // Work.wait() calls begun; 0: the exposed wait is unknown
+  // Seconds blocked up to steady-clock time `now_ns` (a wait in progress counts up to now_ns);
+  // -1 when no Work.wait() has begun. Two threads waiting on one Work at once count twice.
+  double seconds(int64_t now_ns) const;
+};
+
 // One operation's record for stats / the latency breakdown. Times in seconds, sizes in bytes.
 struct OpRecord {
   uint64_t seq = 0;
@@ -59,6 +76,11 @@ struct OpRecord {
     uint64_t bytes_sent, bytes_recv;
   };
   std::vector<Peer> peers;         // per peer this rank exchanged with
+  // Exposed wait (see WaitClock): seconds the caller blocked in Work.wait(); -1 = unknown (no
+  // Work.wait() had begun). records() reads it from `wait` when called; a JSON line carries
+  // what was known when the operation completed.
+  double exposed_wait_s = -1;
+  std::shared_ptr<WaitClock> wait;
 };
 
 struct XirangConfig {
@@ -117,6 +139,7 @@ class WorkXirang : public c10d::Work {
 #endif
 
   int source_rank_ = -1;
+  std::shared_ptr<WaitClock> wait_clock_;  // null when the group keeps no records (XIRANG_STATS=0)
 
  private:
   std::vector<at::Tensor> outputs_;
@@ -193,6 +216,17 @@ class ProcessGroupXirang : public c10d::Backend {
   // This rank's operation records (bounded ring buffer, oldest first) and clearing them.
   std::vector<OpRecord> records();
   void clearRecords();
+  // What keeping the records has cost this group so far: records built and the nanoseconds
+  // spent building and storing them (the caller's share in enqueue, the communication thread's
+  // after the operation ran, the JSON line when XIRANG_STATS_DIR is set). Not included: the
+  // clock reads bracketing the operation and the per-peer timings taken inside the algorithms
+  // (compare a group made with XIRANG_STATS=0 for those).
+  struct RecordCost {
+    uint64_t records = 0;
+    uint64_t ns = 0;
+  };
+  RecordCost recordCost() const { return {records_built_.load(), record_ns_.load()}; }
+  bool recordsOn() const { return records_on_; }
   std::vector<int> ringOrder() { return membership().ring; }
   std::string address() const { return tcp_ ? tcp_->address() : ""; }
   uint64_t sequenceNumber() const { return seq_; }
@@ -220,6 +254,7 @@ class ProcessGroupXirang : public c10d::Backend {
     at::ThreadLocalState tls;
     OpRecord rec;
     std::chrono::steady_clock::time_point enqueued;
+    uint64_t rec_ns = 0;  // the caller's share of building the record (see recordCost())
     // Elastic mode: save() snapshots the inputs and returns their restore; an op that has one
     // is retried on the new ring instead of raising MembershipChanged (the hook's op).
     std::function<std::function<void()>()> save;
@@ -266,6 +301,9 @@ class ProcessGroupXirang : public c10d::Backend {
   std::mutex rec_mu_;
   std::deque<OpRecord> records_;
   size_t record_capacity_ = 65536;
+  bool records_on_ = true;  // XIRANG_STATS
+  std::atomic<uint64_t> records_built_{0};
+  std::atomic<uint64_t> record_ns_{0};
   std::chrono::steady_clock::time_point created_;
   FILE* stats_file_ = nullptr;
 

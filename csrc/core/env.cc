@@ -24,6 +24,7 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_RACK", "", "rack label of this rank (default: XIRANG_TOPOLOGY_FILE's entry for the host, else 'rack0')"},
       {"XIRANG_TOPOLOGY_FILE", "", "file of 'hostname rack' lines mapping hosts to racks"},
       {"XIRANG_STATS_DIR", "", "directory where every rank appends its operation records as rank<N>.jsonl"},
+      {"XIRANG_STATS", "1", "0: a process group created now keeps no operation records (xirang.stats() empty, no JSON lines, Work.wait not timed); for measuring what they cost"},
       {"XIRANG_STATS_CAPACITY", "65536", "operation records kept in memory per process group (ring buffer)"},
       {"XIRANG_HANDSHAKE_TIMEOUT_MS", "10000", "bound on one connection's authentication handshake, milliseconds"},
       {"XIRANG_PROMETHEUS_PORT", "", "xirang.exporters.start_prometheus(): serve metrics on this port + LOCAL_RANK"},

@@ -58,7 +58,18 @@ def stats(process_group=None, gather: bool = False):
     Each record is a dict: seq, op, algorithm, group_id (the hook's layer group, -1 otherwise),
     label (the group's layer names), dtype, numel, bytes_raw, bytes_wire (payload bytes this rank
     sent; headers excluded), bytes_cross_host, bytes_cross_rack, t_enqueue, queued_s, encode_s,
-    scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok, peers.
+    scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok, peers, exposed_wait_s.
+
+    exposed_wait_s: seconds the caller's threads spent blocked in ``Work.wait()`` on the operation
+    (the exposed part of its communication), as of this call; None while no ``Work.wait()`` has
+    begun. Counted: ``work.wait()`` and the synchronous collectives (``async_op=False``, which
+    call it). Not counted: ``work.get_future().wait()`` and so DDP's wait on comm-hook futures at
+    the end of backward (the report estimates those), ``is_completed()`` polling, and on CUDA
+    the stream wait (the CPU does not block). Two threads waiting on one Work count twice.
+    The JSON lines (``XIRANG_STATS_DIR``) are written when the operation completes and carry what
+    was known then: the blocked time up to completion if a caller was already waiting (short of
+    the wake-up, microseconds), else null, also for a wait that begins later.
+    Groups created with ``XIRANG_STATS=0`` keep no records (an empty list).
 
     gather=True: a collective over `process_group` (every rank must call it); group rank 0 gets a
     list indexed by group rank of each rank's records (taken before the gather, so the gather's

@@ -19,11 +19,15 @@ What is derived, and how
   (bookkeeping, copies, and in tests the XIRANG_TEST_DELAY_MS sleep). Per step and group the
   mean over ranks is plotted.
 - Hottest group: the largest busy time (sum of ``total_s``, mean over ranks) over the run.
-- Hidden vs exposed. Records that carry ``exposed_s`` (caller blocked) are used as they are.
-  Otherwise it is an ESTIMATE, labelled as such on the page: per rank and step, exposed = how
-  long communication still ran after the step's last operation was enqueued (with the hook
-  that is the last layer group's launch at the end of backward, after which DDP waits); hidden
-  = busy time minus exposed. For blocking collectives outside the hook everything is exposed.
+- Hidden vs exposed. A record whose ``exposed_wait_s`` is a number (how long the caller blocked
+  in ``Work.wait()`` on it: synchronous collectives, ``work.wait()``) counts as measured. The
+  others (null: nobody was blocked in ``Work.wait()`` when it completed, e.g. the hook's
+  operations, which DDP waits on through their futures) are ESTIMATED, labelled as such on the
+  page: per rank and step, exposed = how long their communication still ran after the last of
+  them was enqueued (with the hook that is the last layer group's launch at the end of
+  backward, after which DDP waits). Per rank and step, exposed = measured + estimated; hidden =
+  busy time minus exposed. The estimate counts an async operation waited on only later as
+  exposed; ``xirang.stats()`` (in memory) has its measured value once the wait has begun.
 - Slowest rank: the rank with the largest NET WAIT INTRODUCED = seconds its receivers spent
   waiting on data from it (their ``peers[].recv_s`` for it) minus seconds it spent waiting on
   data from its own senders, summed over operations seen by every rank of their group. A late
@@ -283,7 +287,11 @@ def analyze(records: List[dict], runs_available: Optional[List[str]] = None, run
     hottest = max(hot_pool, key=lambda g: g["busy_s"]) if hot_pool else None
 
     # ---- hidden vs exposed per step (mean over ranks) -----------------------------------------
-    has_exposed = any("exposed_s" in r for r in prim)
+    def measured(r: dict) -> bool:
+        v = r.get("exposed_wait_s")
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+    n_measured = sum(1 for r in prim if measured(r))
     exp_cells: Dict[int, Dict[int, List[dict]]] = {}
     for r in prim:
         s = int(r.get("seq", 0) or 0)
@@ -294,23 +302,28 @@ def analyze(records: List[dict], runs_available: Optional[List[str]] = None, run
         e_r, h_r = [], []
         for lst in exp_cells.get(st, {}).values():
             busy = sum(_f(r, "total_s") for r in lst)
-            if has_exposed:
-                e = sum(_f(r, "exposed_s") for r in lst)
-            else:
-                last_enq = max(_f(r, "t_enqueue") for r in lst)
-                end = max(_f(r, "t_enqueue") + _f(r, "queued_s") + _f(r, "total_s") for r in lst)
-                e = max(0.0, end - last_enq)
+            e = sum(_f(r, "exposed_wait_s") for r in lst if measured(r))
+            est = [r for r in lst if not measured(r)]
+            if est:
+                last_enq = max(_f(r, "t_enqueue") for r in est)
+                end = max(_f(r, "t_enqueue") + _f(r, "queued_s") + _f(r, "total_s") for r in est)
+                e += max(0.0, end - last_enq)
             e_r.append(e)
             h_r.append(max(0.0, busy - e))
         exposed.append(_mean(e_r))
         hidden.append(_mean(h_r))
-    exposure = {
-        "source": "records (exposed_s)" if has_exposed else "estimate",
-        "note": ("exposed_s from the records: how long the caller blocked" if has_exposed else
-                 "ESTIMATE (the records carry no caller-wait field): exposed = communication still "
-                 "running after the step's last operation was enqueued; hidden = busy time - exposed"),
-        "exposed_s": exposed, "hidden_s": hidden,
-    }
+    est_note = ("exposed = communication still running after the step's last operation was "
+                "enqueued; hidden = busy time - exposed")
+    if n_measured == len(prim) and prim:
+        source, note = "records (exposed_wait_s)", "exposed_wait_s from the records: how long the caller blocked"
+    elif n_measured == 0:
+        source, note = "estimate", "ESTIMATE (no record carries a caller's wait): " + est_note
+    else:
+        source = f"records (exposed_wait_s) for {n_measured} of {len(prim)} operations, estimate for the rest"
+        note = ("exposed_wait_s where a caller blocked in Work.wait(); the rest (e.g. the hook's operations, "
+                "waited on through futures) an ESTIMATE: " + est_note)
+    exposure = {"source": source, "note": note, "measured_ops": n_measured, "exposed_s": exposed,
+                "hidden_s": hidden}
 
     # ---- per rank / per link across ranks (every pg of the run) --------------------------------
     rank_stat: Dict[int, Dict[str, float]] = {}

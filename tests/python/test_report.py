@@ -75,6 +75,46 @@ def w_allreduce(numel, iters):
             "sent": list(xirang._C.ring_allreduce_elements_sent(numel, W.world_size))}
 
 
+def w_exposed(late_s, async_sleep_s):
+    """A synchronous allreduce that rank 1 joins late_s after rank 0, then an async one waited on
+    only after async_sleep_s; the records of both, and a group made with XIRANG_STATS=0."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import xirang
+
+    be = xirang._backend_for(None)
+    t = torch.ones(1024, dtype=torch.float32)
+    dist.barrier()
+    if W.rank == 1:
+        time.sleep(late_s)
+    dist.all_reduce(t)  # async_op=False: torch calls Work.wait()
+    seq_sync = be.sequence_number
+    dist.barrier()
+    w = dist.all_reduce(t, async_op=True)
+    seq_async = be.sequence_number
+    time.sleep(async_sleep_s)  # the op completes meanwhile; nobody is waiting on it
+    before = {r["seq"]: r for r in xirang.stats()}[seq_async]
+    t0 = time.perf_counter()
+    w.wait()
+    wait_call_s = time.perf_counter() - t0
+    recs = {r["seq"]: r for r in xirang.stats()}
+    cost = be.record_cost()
+    # records off: nothing kept, nothing timed, the collective still works
+    os.environ["XIRANG_STATS"] = "0"
+    try:
+        g_off = dist.new_group(backend="xirang")
+    finally:
+        os.environ.pop("XIRANG_STATS", None)
+    x = torch.ones(8)
+    dist.all_reduce(x, group=g_off)
+    off = {"records": xirang.stats(g_off), "cost": xirang._backend_for(g_off).record_cost(), "sum": x[0].item()}
+    return {"sync": recs[seq_sync], "async_before": before, "async": recs[seq_async],
+            "wait_call_s": wait_call_s, "cost": cost, "off": off}
+
+
 def w_hook(steps, layers_per_group):
     import torch
     from torch import nn
@@ -217,6 +257,11 @@ def test_records_add_up_ring(ws, tmp_path):
             for k, v in b.items():
                 if k in FLOAT_KEYS:
                     assert close(a[k], v), (k, a[k], v)
+                elif k == "exposed_wait_s":
+                    # the line: blocked time up to completion (short of the wake-up) or null
+                    # when the caller had not begun waiting; stats(): the whole wait
+                    assert v is not None and v >= 0, rec
+                    assert a[k] is None or -1e-6 <= v - a[k] < 0.05, (a[k], v)
                 elif k == "peers":
                     assert [(p["peer"], p["bytes_sent"], p["bytes_recv"]) for p in a[k]] == \
                            [(p["peer"], p["bytes_sent"], p["bytes_recv"]) for p in v]
@@ -272,6 +317,41 @@ def test_slow_rank_is_named(ws, slow, tmp_path):
     assert re.search(rf"^slowest rank: {slow}:", stdout, re.M), stdout
     check_page(page)
     assert report.embedded_data(page)["analysis"]["slowest_rank"] == slow
+
+
+def test_exposed_wait(tmp_path):
+    """exposed_wait_s = time the caller blocked in Work.wait(): ~late_s on the rank that came
+    early, ~0 on the late one and for an async op waited on after it completed."""
+    d = str(tmp_path / "stats")
+    late, nap = 0.5, 0.3
+    res = run_pool(2, d, w_exposed, late, nap, timeout=120)
+    early, late_rank = res[0], res[1]
+    assert early["sync"]["exposed_wait_s"] >= late - 0.1, early["sync"]
+    assert early["sync"]["exposed_wait_s"] < late + 1.0, early["sync"]
+    assert late_rank["sync"]["exposed_wait_s"] is not None
+    assert 0 <= late_rank["sync"]["exposed_wait_s"] < 0.1, late_rank["sync"]
+    for r in res:
+        # the async op ran (ms) during the nap: unknown before the wait, ~0 after it
+        assert r["async"]["total_s"] < nap, r["async"]
+        assert r["async_before"]["exposed_wait_s"] is None
+        assert 0 <= r["async"]["exposed_wait_s"] <= r["wait_call_s"] + 1e-6 < 0.05, r
+        assert r["cost"]["on"] and r["cost"]["records"] >= 4 and r["cost"]["ns"] > 0
+        off = r["off"]
+        assert off["sum"] == 2.0 and off["records"] == [] and off["cost"] == {"records": 0, "ns": 0, "on": False}
+    # the JSON lines: what was known at completion
+    lines = read_jsonl(d)
+    by = {(x["global_rank"], x["seq"]): x for x in lines}
+    s0 = by[(0, early["sync"]["seq"])]["exposed_wait_s"]
+    assert late - 0.1 <= s0 <= early["sync"]["exposed_wait_s"] + 1e-6
+    for rank in range(2):
+        assert by[(rank, res[rank]["async"]["seq"])]["exposed_wait_s"] is None
+    assert not [x for x in lines if x["pg"] != by[(0, early["sync"]["seq"])]["pg"]], "XIRANG_STATS=0 wrote lines"
+    from xirang import report
+
+    a = report.analyze(lines)
+    assert 0 < a["exposure"]["measured_ops"] < len(lines)
+    # ops mode: each operation is a step; the early rank's sync allreduce shows ~late_s exposed
+    assert max(a["exposure"]["exposed_s"]) >= (late - 0.1) / 2
 
 
 def test_hook_steps_and_labels(tmp_path):
@@ -499,10 +579,18 @@ def test_exposed_estimate_and_field():
     assert math.isclose(a["exposure"]["exposed_s"][0], 0.06)
     assert math.isclose(a["exposure"]["hidden_s"][0], 0.05)
     for x in recs:
-        x["exposed_s"] = 0.01
+        x["exposed_wait_s"] = 0.01
     a = report.analyze(recs)
     assert a["exposure"]["source"].startswith("records")
     assert math.isclose(a["exposure"]["exposed_s"][0], 0.02)
+    assert math.isclose(a["exposure"]["hidden_s"][0], 0.09)
+    # mixed: group 1 waited on through its future (null): its part is estimated
+    for x in recs:
+        if x["group_id"] == 1:
+            x["exposed_wait_s"] = None
+    a = report.analyze(recs)
+    assert "estimate" in a["exposure"]["source"] and a["exposure"]["measured_ops"] == 2
+    assert math.isclose(a["exposure"]["exposed_s"][0], 0.01 + 0.06)
 
 
 def test_from_gathered():
