@@ -40,7 +40,20 @@ cmake --build build/core -j2 > build/core-build.log || { cat build/core-build.lo
 # --- Python, multi-process -------------------------------------------------------------------
 # From tests/python so the installed xirang is imported, not python/ of the work tree.
 # Headless Chromium for the report's browser test (tests/python/test_report.py skips without it).
-if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then apt-get install -y -qq chromium >&2 || echo "tests: chromium unavailable" >&2; fi
+# iptables and ping for the emulated cluster's cross-rack latency (tests/cluster/delayq.py); iproute2
+# for the namespaces themselves. Tests that need them skip with the reason when they are missing.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    need=()
+    command -v chromium >/dev/null || need+=(chromium)
+    command -v iptables >/dev/null || need+=(iptables)
+    command -v ping >/dev/null || need+=(iputils-ping)
+    command -v ip >/dev/null || need+=(iproute2)
+    if [ "${#need[@]}" -gt 0 ]; then
+        echo "tests: installing ${need[*]} (Debian packages)" >&2
+        apt-get update -qq >&2 || true
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2 || echo "tests: could not install ${need[*]}" >&2
+    fi
+fi
 "$PY" -m pytest tests/python -q -p no:cacheprovider "$@"
 
 echo "tests: all passed in $(( $(date +%s) - start )) s" >&2

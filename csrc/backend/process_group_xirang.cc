@@ -546,6 +546,17 @@ void ProcessGroupXirang::runLoop() {
       op.rec.exposed_wait_s = op.rec.wait->seconds(
           std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count());
       writeRecord(op.rec);
+      // Flushed when the queue is drained (before the caller wakes) or at most 100 ms after
+      // the previous flush: a flush per line cost more than the line on back-to-back ops.
+      bool idle;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        idle = queue_.empty();
+      }
+      if (idle || end - last_flush_ >= std::chrono::milliseconds(100)) {
+        std::fflush(stats_file_);
+        last_flush_ = end;
+      }
     }
     {
       std::lock_guard<std::mutex> g(rec_mu_);
@@ -1001,7 +1012,6 @@ void ProcessGroupXirang::writeRecord(const OpRecord& r) {
   j.raw("]}\n");
   const std::string& line = j.text();
   std::fwrite(line.data(), 1, line.size(), stats_file_);
-  std::fflush(stats_file_);
 }
 
 std::vector<OpRecord> ProcessGroupXirang::records() {

@@ -306,6 +306,7 @@ class ProcessGroupXirang : public c10d::Backend {
   std::atomic<uint64_t> record_ns_{0};
   std::chrono::steady_clock::time_point created_;
   FILE* stats_file_ = nullptr;
+  std::chrono::steady_clock::time_point last_flush_{};  // of stats_file_ (communication thread)
 
   // Elastic state. live_/comm_.ring/tcp_ change on the communication thread only, under mem_mu_
   // (the heartbeat thread interrupts tcp_ and reads the ring under it).
