@@ -28,6 +28,8 @@ namespace {
 
 // Store key namespace of elastic mode's heartbeats and epoch agreements (core/membership.h).
 constexpr const char* kElasticPrefix = "xirang/elastic";
+// A failure report starting with this fails every rank instead of starting an agreement.
+constexpr const char* kFatal = "fatal: ";
 
 // Adapts torch's c10d::Store (already prefixed per group by torch) to the transport's Store.
 class StoreAdapter : public transport::Store {
@@ -504,6 +506,14 @@ void ProcessGroupXirang::runLoop() {
         std::string msg = "xirang rank " + std::to_string(rank_) + ": " + describe(op) + " failed: " + what;
         bool is_timeout = dynamic_cast<const transport::TimeoutError*>(&e) != nullptr;
         if (is_timeout) msg += " (timeout " + std::to_string(op.timeout.count()) + " ms)";
+        if (cfg_.elastic && dynamic_cast<const transport::MismatchError*>(&e)) {
+          // Elastic: the survivors would otherwise drop this rank and go on; a disagreement
+          // about the collective is a bug every rank must hear about.
+          try {
+            elastic::reportFailure(*store_, kElasticPrefix, epoch_.load(), std::string(kFatal) + msg);
+          } catch (...) {
+          }
+        }
         {
           std::lock_guard<std::mutex> g(mu_);
           if (poison_.empty()) poison_ = msg;
@@ -613,6 +623,8 @@ void ProcessGroupXirang::runOp(Op& op) {
       done_seq_ = seq;       // this rank holds the result
       if (op.ctx.op != OpKind::Admit) ack(comm_, op.ctx);  // admission: the store is its agreement
       return;
+    } catch (const transport::MismatchError&) {
+      throw;  // the program's bug, not a lost rank: fail the group (every rank gets the error)
     } catch (const transport::TransportError& e) {
       std::string why = e.what();
       elastic::Decision d = recover("rank " + std::to_string(rank_) + ", " + describe(op) + ": " + why);
@@ -688,6 +700,15 @@ elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
   const auto t0 = Clock::now();
   const uint64_t epoch = epoch_.load();
   std::string reason = elastic::reportFailure(*store_, kElasticPrefix, epoch, why);
+  if (reason.rfind(kFatal, 0) == 0) {  // a rank failed the group on purpose (see runLoop)
+    std::string msg = "xirang rank " + std::to_string(rank_) + ": the group failed: " + reason.substr(std::strlen(kFatal));
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (poison_.empty()) poison_ = msg;
+      hb_stop_ = true;
+    }
+    throw transport::TransportError(msg, -1);
+  }
   {
     std::lock_guard<std::mutex> g(mem_mu_);
     if (tcp_) tcp_->interrupt("membership change: " + reason);

@@ -445,3 +445,26 @@ def test_spare_rejoins_at_step_40():
         assert res[r]["m"]["live"] == [0, 1, 2, 3] and res[r]["m"]["epoch"] == 2
         assert torch.equal(res[r]["params"], res[0]["params"])
     assert torch.equal(sp["params"], res[0]["params"]), "the spare's parameters differ from rank 0's"
+
+
+# ---------------------------------------------------------------- a mismatch is a bug, not a failure
+def w_mismatch_elastic():
+    dist.barrier()
+    n = 2 if dist.get_rank() == 0 else 3
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(64 * 1024 * n))
+        return dict(err=None)
+    except Exception as e:  # noqa: BLE001
+        return dict(err=mp_pool.exc_info(e), elapsed=time.perf_counter() - t0)
+
+
+def test_mismatch_fails_every_rank_in_elastic_mode():
+    with mp_pool.Pool(3, "xirang", timeout_s=60, env=dict(XIRANG_ELASTIC="1")) as pool:
+        res = pool.run(w_mismatch_elastic, timeout=60)
+    for r in range(3):
+        e = res[r]["err"]
+        assert e is not None, f"rank {r} did not raise"
+        assert not e.isinstance_of("MembershipChanged"), f"rank {r}: {e}"
+        assert "mismatch" in str(e), f"rank {r}: {e}"
+        assert res[r]["elapsed"] < 10.0

@@ -704,7 +704,7 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
         auto m = std::find_if(msgs.begin(), msgs.end(), [&](const Stashed& x) { return x.header.tag == h.tag; });
         if (m != msgs.end()) {
           std::string diff = compareHeader(h, m->header, job.peer);
-          if (!diff.empty()) throw TransportError(diff, job.peer);
+          if (!diff.empty()) throw MismatchError(diff, job.peer);
           if (h.payload_bytes) std::memcpy(job.segs[s].data, m->payload.data(), h.payload_bytes);
           stash_bytes_ -= m->payload.size();
           msgs.erase(m);
@@ -842,7 +842,7 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
                 }
                 if (!s.stashing) {
                   std::string diff = compareHeader(f.expect, h, s.peer);
-                  if (!diff.empty()) throw TransportError(diff, s.peer);
+                  if (!diff.empty()) throw MismatchError(diff, s.peer);
                 }
                 s.hdr_ok = true;
                 s.pay_off = 0;

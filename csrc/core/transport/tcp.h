@@ -68,6 +68,12 @@ class TimeoutError : public TransportError {
  public:
   using TransportError::TransportError;
 };
+// Ranks disagree about the operation (a frame's header differs from the expected one): a bug in
+// the calling program, not a failure of the peer.
+class MismatchError : public TransportError {
+ public:
+  using TransportError::TransportError;
+};
 
 // One frame's payload: a contiguous byte range.
 struct SendSeg {
