@@ -3,7 +3,8 @@
     python -m xirang.sim [model/cluster/optimisation flags] [--json]   one configuration
     python -m xirang.sim --paper [--json]       the published 175B / 64 and 128 GPU figures vs simulation
     python -m xirang.sim --recommend [--json]   which optimisations pay, 8..1024 GPUs
-    python -m xirang.sim --calibrate FILE       fit alpha/beta from benchmarks/allreduce.py JSON
+    python -m xirang.sim --calibrate FILE [--cores N]  fit alpha/beta from benchmarks/allreduce.py JSON
+                                                (ranks beyond N cores share them; N defaults to os.cpu_count())
 
 Cost model (alpha-beta; Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009):
 - ring allreduce of numel elements over n ranks: 2(n-1) lockstep steps, each sending one chunk
@@ -18,6 +19,14 @@ Cost model (alpha-beta; Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009
   DP groups sync concurrently). One NIC per GPU; duplex links (send and receive do not compete).
 - two-level: reduce-scatter inside the local group (host, else rack) of g DP members, g concurrent
   allreduces of S/g across the H groups, allgather inside: 2(g-1)(a_l + S/g/B_l) + ring(S/g, H).
+- CPU cost per byte (optional: cpu_GBps > 0): every ring step a rank also spends chunk_bytes / cpu_Bps
+  of CPU on the chunk (its copies in and out of the transport, the reduction). Pipelined by segments
+  with the wire, so a step costs alpha_e + max(chunk / B_e, chunk / cpu_Bps x share), where share =
+  max(1, ranks / cores) of the ranks that share those cores (a host's, or with shared_cpu the whole
+  machine's: an emulated cluster on one box). cores_per_host = 0 means one core per rank (share 1):
+  with cores >= ranks, or a CPU faster than the links, this is the alpha-beta model unchanged. On
+  loopback the "wire" is itself CPU work (kernel copies), so --calibrate fits alpha and the per-byte
+  cost together as CPU work and scales both by the share: T = share (2(n-1) alpha + 2(n-1)/n S beta).
 - per-launch overhead per collective; BF16 halves bytes on the wire and adds a codec pass.
 - timeline: layers finish backward one by one; a group's collectives may start when its last layer
   is done and the link is free (collectives run one at a time, FIFO). Exposed comm = what runs past
@@ -31,6 +40,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import random
 import sys
 from typing import Optional
@@ -100,6 +110,10 @@ class Cluster:
     codec_GBps: float = 1000.0  # BF16 encode+decode throughput (fp32 GB/s) per GPU, pipelined with the wire
     placement: str = "random"  # how the scheduler hands out hosts: packed | random | interleaved
     seed: int = 0
+    cpu_GBps: float = 0.0  # per-rank CPU throughput on a ring chunk (copies + reduce), GB/s with a core to itself; 0: not modelled
+    cores_per_host: int = 0  # cores the ranks of a host share (0: one core per rank, never shared)
+    shared_cpu: bool = False  # every host runs on the same cores_per_host cores (an emulated cluster on one machine)
+    rank_slots: Optional[tuple] = None  # explicit rank -> GPU slot (overrides placement)
 
     def links(self):
         return {"host": (self.host_alpha_us * 1e-6, self.host_GBps * GB),
@@ -113,6 +127,10 @@ class Cluster:
         """rank -> physical GPU slot; slot s is on host s // gpus_per_host, rack host // hosts_per_rack.
         Ranks of one host are always consecutive (torchrun local ranks); hosts are handed out packed
         (rack by rack), randomly (seeded) or interleaved across racks."""
+        if self.rank_slots is not None:
+            if len(self.rank_slots) != self.gpus or len(set(self.rank_slots)) != self.gpus:
+                raise ValueError(f"rank_slots must name {self.gpus} distinct slots, got {self.rank_slots!r}")
+            return list(self.rank_slots)
         gph = self.gpus_per_host
         nh = math.ceil(self.gpus / gph)
         hosts = list(range(nh))
@@ -127,6 +145,23 @@ class Cluster:
     def where(self, slot: int):
         host = slot // self.gpus_per_host
         return host // self.hosts_per_rack, host
+
+    def cpu_share(self, ranks_per_host: int, ranks_total: int) -> float:
+        """How many times slower a rank's CPU work runs than on a core of its own: max(1, ranks / cores)."""
+        if self.cores_per_host <= 0:
+            return 1.0
+        return max(1.0, (ranks_total if self.shared_cpu else ranks_per_host) / self.cores_per_host)
+
+    def cpu_s_per_byte(self, slots) -> float:
+        """CPU seconds per chunk byte of one ring step, the busiest host's ranks sharing its cores (0: off)."""
+        if self.cpu_GBps <= 0:
+            return 0.0
+        slots = set(slots)
+        per_host: dict = {}
+        for x in slots:
+            h = self.where(x)[1]
+            per_host[h] = per_host.get(h, 0) + 1
+        return self.cpu_share(max(per_host.values(), default=1), len(slots)) / (self.cpu_GBps * GB)
 
 
 @dataclasses.dataclass
@@ -151,11 +186,14 @@ def ring_elements_sent(numel: int, n: int) -> list:
     return [2 * numel - chunk_elems(numel, n, (p + 1) % n) - chunk_elems(numel, n, (p + 2) % n) for p in range(n)]
 
 
-def ring_time(numel: int, n: int, esize: int, alpha: float, bw: float) -> float:
-    """Ring allreduce on n ranks over equal links: 2(n-1)(alpha + ceil(numel/n) esize / bw) seconds."""
+def ring_time(numel: int, n: int, esize: int, alpha: float, bw: float, cpu_s_per_byte: float = 0.0) -> float:
+    """Ring allreduce on n ranks over equal links: 2(n-1)(alpha + ceil(numel/n) esize / bw) seconds;
+    with a CPU cost per chunk byte (already scaled by the core share), each step pays the slower of
+    the wire and the CPU: 2(n-1)(alpha + max(chunk / bw, chunk x cpu_s_per_byte))."""
     if n <= 1 or numel == 0:
         return 0.0
-    return 2 * (n - 1) * (alpha + math.ceil(numel / n) * esize / bw)
+    chunk = math.ceil(numel / n) * esize
+    return 2 * (n - 1) * (alpha + max(chunk / bw, chunk * cpu_s_per_byte))
 
 
 def two_level_time(numel: int, g: int, h: int, esize: int, a_l: float, b_l: float, a_x: float, b_x: float) -> float:
@@ -170,6 +208,7 @@ class RingSet:
 
     def __init__(self, rings: list, cl: Cluster):
         self.n = len(rings[0]) if rings else 1
+        self.rings = rings
         links = cl.links()
         out_flows: dict = {}
         edges = []
@@ -190,12 +229,16 @@ class RingSet:
             classes.add((a, b))
         self.classes = sorted(classes)
         self.kinds = sorted({k for k, _, _ in edges})
+        self.cpu = cl.cpu_s_per_byte(s for ring in rings for s in ring)  # all rings run at once: their ranks share cores
+
+    def step(self, chunk_bytes: float) -> float:
+        """One lockstep ring step: the slowest edge, each paying the slower of its wire and the CPU."""
+        return max(a + max(chunk_bytes / b, chunk_bytes * self.cpu) for a, b in self.classes)
 
     def time(self, numel: int, esize: int) -> float:
         if self.n <= 1 or numel == 0:
             return 0.0
-        chunk = math.ceil(numel / self.n) * esize
-        return 2 * (self.n - 1) * max(a + chunk / b for a, b in self.classes)
+        return 2 * (self.n - 1) * self.step(math.ceil(numel / self.n) * esize)
 
     def xrack_bytes(self, numel: int, esize: int) -> float:
         n, q, r = self.n, numel // self.n, numel % self.n
@@ -272,7 +315,7 @@ class Sim:
         if plan:
             g, loc, cross = plan
             part = math.ceil(numel / g)
-            local = (g - 1) * max(a + part * es / b for a, b in loc.classes)
+            local = (g - 1) * loc.step(part * es)
             t = 2 * local + cross.time(part, es)
             xb = cross.xrack_bytes(part, es)  # local groups are a host or a rack: never cross racks
         else:
@@ -368,6 +411,10 @@ def add_args(p: argparse.ArgumentParser):
     g.add_argument("--oversub", type=float, default=d.oversub, help="rack uplink oversubscription (1 = full bisection)")
     g.add_argument("--launch-us", type=float, default=d.launch_us)
     g.add_argument("--codec-gbyteps", type=float, default=d.codec_GBps)
+    g.add_argument("--cpu-gbyteps", type=float, default=d.cpu_GBps,
+                   help="per-rank CPU throughput on ring chunks (copies + reduce), GB/s on a core of its own; 0: not modelled")
+    g.add_argument("--cores-per-host", type=int, default=d.cores_per_host,
+                   help="cores a host's ranks share for that CPU work (0: one per rank)")
     g.add_argument("--placement", default=d.placement, choices=["packed", "random", "interleaved"])
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("optimisations (single-configuration mode)")
@@ -382,7 +429,8 @@ def build(a, gpus: Optional[int] = None):
     m = Model.from_args(a)
     cl = Cluster(gpus or a.gpus, a.gpus_per_host, a.hosts_per_rack, a.host_gbyteps, a.host_alpha_us, a.rack_gbitps,
                  a.rack_alpha_us, a.xrack_gbitps, a.xrack_alpha_us, a.oversub, a.launch_us, a.codec_gbyteps,
-                 a.placement, a.seed)
+                 a.placement, a.seed, cpu_GBps=getattr(a, "cpu_gbyteps", 0.0),
+                 cores_per_host=getattr(a, "cores_per_host", 0))
     if a.bwd_layer_ms is not None:
         bwd = a.bwd_layer_ms * 1e-3 * m.stage_layers
     else:  # 6 P T FLOPs per step spread over all GPUs; backward is 2/3 of it
@@ -648,35 +696,54 @@ def load_measurements(path: str, backend: str = "xirang") -> list:
     return out
 
 
-def fit(rows: list):
-    """Least squares T = 2(n-1) alpha + 2(n-1)/n S beta over rows (n, S bytes, T s) -> (alpha s, beta s/B).
+def cpu_share(n: int, cores: Optional[int]) -> float:
+    """max(1, n / cores): how many times longer n ranks' CPU work takes on `cores` cores than on one core
+    each (None or 0: a core per rank, 1.0)."""
+    return max(1.0, n / cores) if cores else 1.0
 
-    With a single world size the constant term cannot be split between per-step latency and launch
-    overhead; it is all put into alpha."""
+
+def fit(rows: list, cores: Optional[int] = None):
+    """Least squares T = share(n) (2(n-1) alpha + 2(n-1)/n S beta) over rows (n, S bytes, T s) -> (alpha s, beta s/B).
+
+    share(n) = max(1, n / cores) (cpu_share; cores None: 1): on loopback a ring step is CPU work from
+    end to end (system calls, kernel copies, the reduction), and n ranks on fewer cores than ranks take
+    turns on them. With a single world size the constant term cannot be split between per-step
+    latency and launch overhead; it is all put into alpha."""
     import numpy as np
 
-    A = np.array([[2 * (n - 1), 2 * (n - 1) / n * S] for n, S, _ in rows])
+    A = np.array([[2 * (n - 1) * cpu_share(n, cores), 2 * (n - 1) / n * S * cpu_share(n, cores)] for n, S, _ in rows])
     y = np.array([t for _, _, t in rows])
     w = 1 / y  # relative error: small messages matter as much as big ones
     (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
     return max(float(alpha), 0.0), float(beta)
 
 
-def predict(alpha: float, beta: float, n: int, S: float) -> float:
-    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * S * beta
+def predict(alpha: float, beta: float, n: int, S: float, cores: Optional[int] = None) -> float:
+    """share(n) (2(n-1) alpha + 2(n-1)/n S beta); with cores None (or >= n) the plain alpha-beta ring."""
+    return cpu_share(n, cores) * (2 * (n - 1) * alpha + 2 * (n - 1) / n * S * beta)
 
 
-def calibrate(path: str, backend: str = "xirang") -> dict:
+def loopback_cluster(n: int, alpha: float, beta: float, cores: Optional[int] = None) -> Cluster:
+    """A Cluster for n ranks on one machine over loopback with a calibrated (alpha, beta): the links are
+    free (infinite bandwidth) and beta is the CPU cost per chunk byte, shared when n > cores. Its
+    RingSet time equals predict(alpha, beta, n, S, cores) up to the share on alpha (scaled by hand here)."""
+    share = cpu_share(n, cores)
+    return Cluster(gpus=n, gpus_per_host=n, hosts_per_rack=1, host_GBps=math.inf, host_alpha_us=alpha * share * 1e6,
+                   launch_us=0.0, cpu_GBps=(1 / beta / GB) if beta > 0 else 0.0, cores_per_host=cores or 0,
+                   placement="packed")
+
+
+def calibrate(path: str, backend: str = "xirang", cores: Optional[int] = None) -> dict:
     rows = load_measurements(path, backend)
     if len(rows) < 2:
         raise SystemExit(f"--calibrate: need >= 2 usable {backend} allreduce rows in {path}, found {len(rows)}")
-    alpha, beta = fit(rows)
-    pred = [{"ws": n, "bytes": S, "measured_s": t, "predicted_s": predict(alpha, beta, n, S),
-             "error_pct": 100 * (predict(alpha, beta, n, S) / t - 1)} for n, S, t in rows]
-    extra = [{"ws": n, "bytes": float(S), "predicted_s": predict(alpha, beta, n, S)}
+    alpha, beta = fit(rows, cores)
+    pred = [{"ws": n, "bytes": S, "measured_s": t, "predicted_s": predict(alpha, beta, n, S, cores),
+             "error_pct": 100 * (predict(alpha, beta, n, S, cores) / t - 1)} for n, S, t in rows]
+    extra = [{"ws": n, "bytes": float(S), "predicted_s": predict(alpha, beta, n, S, cores)}
              for n in (2, 4, 8) for S in (2**20, 2**26, 2**28)]
     return {"alpha_us": alpha * 1e6, "beta_s_per_byte": beta, "bandwidth_GBps": 1 / beta / GB if beta > 0 else None,
-            "rows": pred, "predictions": extra}
+            "cores": cores, "rows": pred, "predictions": extra}
 
 
 # ----------------------------------------------------------------------------------- main
@@ -688,6 +755,9 @@ def main(argv=None) -> int:
     mode.add_argument("--recommend", action="store_true", help="which optimisations pay, 8..1024 GPUs")
     mode.add_argument("--calibrate", metavar="FILE", help="fit alpha/beta from benchmarks/allreduce.py JSON")
     p.add_argument("--backend", default="xirang", help="backend rows to use with --calibrate")
+    p.add_argument("--cores", type=int, default=os.cpu_count(),
+                   help="--calibrate: cores the measured ranks shared (ranks beyond it take turns: "
+                        "time x ranks / cores); 0: a core per rank (plain alpha-beta)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     add_args(p)
     a = p.parse_args(argv)
@@ -698,13 +768,13 @@ def main(argv=None) -> int:
         d = recommend(a)
         print(json.dumps(d, indent=1)) if a.json else print_recommend(d)
     elif a.calibrate:
-        d = calibrate(a.calibrate, a.backend)
+        d = calibrate(a.calibrate, a.backend, a.cores or None)
         if a.json:
             print(json.dumps(d, indent=1))
         else:
             bw = d["bandwidth_GBps"]
             print(f"alpha = {d['alpha_us']:.1f} us per ring step, beta = {d['beta_s_per_byte']:.3e} s/B "
-                  f"({bw:.2f} GB/s)" if bw else "")
+                  f"({bw:.2f} GB/s), ranks share {d['cores'] or 'one core each (no sharing)'} cores" if bw else "")
             print(table(d["rows"], ["ws", "bytes", "measured_s", "predicted_s", "error_pct"]))
             print("\npredicted for this machine:")
             print(table(d["predictions"], ["ws", "bytes", "predicted_s"]))

@@ -1,6 +1,7 @@
 """xirang.sim: closed forms, the backend's own ring schedule, the timeline, and every CLI mode's JSON."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -166,3 +167,124 @@ def test_calibrate_recovers_alpha_beta(tmp_path):
     assert d["alpha_us"] == pytest.approx(30.0, rel=1e-6)
     assert d["bandwidth_GBps"] == pytest.approx(2.0, rel=1e-6)
     assert all(abs(r["error_pct"]) < 1e-6 for r in d["rows"])
+
+
+# ----------------------------------------------------------------------------------- CPU cost shared by ranks (#9)
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("S", [2**20, 10**7 + 4])
+def test_cpu_share_reduces_to_alpha_beta_when_cores_suffice(n, S):
+    alpha, beta = 40e-6, 1e-9
+    for cores in (None, 0, n, n + 1, 64):
+        assert sim.cpu_share(n, cores) == 1.0
+        assert sim.predict(alpha, beta, n, S, cores) == sim.predict(alpha, beta, n, S)
+    for cores in (1, 2):
+        if n > cores:  # ranks beyond the cores take turns: exactly n / cores times as long
+            assert sim.predict(alpha, beta, n, S, cores) == pytest.approx(n / cores * sim.predict(alpha, beta, n, S))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+@pytest.mark.parametrize("cores", [None, 1, 2, 4, 16])
+def test_loopback_ringset_equals_predict(n, cores):
+    alpha, beta, numel = 30e-6, 0.8e-9, n * 250_001
+    cl = sim.loopback_cluster(n, alpha, beta, cores)
+    t = RingSet([list(range(n))], cl).time(numel, 4)
+    assert t == pytest.approx(sim.predict(alpha, beta, n, numel * 4, cores), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_cpu_term_off_or_faster_than_links_leaves_model_unchanged(n):
+    numel = n * 1_000_003
+    base = Cluster(gpus=n, gpus_per_host=n, hosts_per_rack=1, host_GBps=10.0, host_alpha_us=7.0)
+    t0 = RingSet([list(range(n))], base).time(numel, 4)
+    assert t0 == pytest.approx(sim.ring_time(numel, n, 4, 7e-6, 10e9), rel=1e-12)
+    for kw in (dict(cpu_GBps=0.0, cores_per_host=1),  # not modelled
+               dict(cpu_GBps=20.0, cores_per_host=n),  # a core per rank, CPU faster than the link
+               dict(cpu_GBps=20.0 * n, cores_per_host=1)):  # shared, but still faster than the link
+        cl = dataclasses.replace(base, **kw)
+        assert RingSet([list(range(n))], cl).time(numel, 4) == pytest.approx(t0, rel=1e-12)
+    # the CPU slower than the link: each step pays chunk / cpu x share instead of chunk / link
+    cl = dataclasses.replace(base, cpu_GBps=1.0, cores_per_host=2)
+    chunk = numel // n * 4
+    assert RingSet([list(range(n))], cl).time(numel, 4) == pytest.approx(
+        2 * (n - 1) * (7e-6 + chunk * max(1, n / 2) / 1e9), rel=1e-12)
+    assert sim.ring_time(numel, n, 4, 7e-6, 10e9, max(1, n / 2) / 1e9) == pytest.approx(
+        RingSet([list(range(n))], cl).time(numel, 4), rel=1e-12)
+
+
+def test_cpu_share_per_host_or_machine():
+    # 8 ranks on 4 hosts of 2; 2 cores per host: no sharing; all hosts on one 2-core machine: 4x
+    per_host = Cluster(gpus=8, gpus_per_host=2, hosts_per_rack=2, cpu_GBps=1.0, cores_per_host=2)
+    shared = dataclasses.replace(per_host, shared_cpu=True)
+    assert per_host.cpu_s_per_byte(range(8)) == pytest.approx(1e-9)
+    assert shared.cpu_s_per_byte(range(8)) == pytest.approx(4e-9)
+    assert dataclasses.replace(per_host, cores_per_host=1).cpu_s_per_byte(range(8)) == pytest.approx(2e-9)
+
+
+def test_fit_with_cores_recovers_alpha_beta():
+    alpha, beta = 25e-6, 0.5e-9
+    rows = [(n, S, sim.predict(alpha, beta, n, S, 2)) for n in (2, 3, 4) for S in (2**20, 2**22, 2**24)]
+    a, b = sim.fit(rows, 2)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+    # at WS=2 on >= 2 cores the share is 1: the fit is the plain one
+    two = [r for r in rows if r[0] == 2]
+    assert sim.fit(two, 2) == pytest.approx(sim.fit(two))
+
+
+def test_explicit_rank_slots():
+    cl = Cluster(gpus=4, gpus_per_host=2, hosts_per_rack=1, rank_slots=(0, 2, 1, 3))
+    assert cl.slot_of_rank() == [0, 2, 1, 3]
+    with pytest.raises(ValueError):
+        Cluster(gpus=4, gpus_per_host=2, rank_slots=(0, 0, 1, 2)).slot_of_rank()
+
+
+def _sim_check():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "sim_check.py"
+    spec = importlib.util.spec_from_file_location("sim_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_emulated_cluster_model_matches_backend_rings_and_bytes():
+    sc = _sim_check()
+    args = {"racks": 2, "hosts_per_rack": 2, "ranks_per_host": 2, "placement": "roundrobin", "rate": "200mbit",
+            "delay": "1ms"}
+    s, par = sc.emulated_sim(args, {}, 50e-6, 1e-9, 2, sim)
+    rank_of = {x: r for r, x in enumerate(par["slots"])}
+    # benchmarks/topology.py's rings on this placement (the backend's ring_order)
+    assert [rank_of[x] for x in s._ring_plan(False).rings[0]] == list(range(8))
+    assert [rank_of[x] for x in s._ring_plan(True).rings[0]] == [0, 4, 2, 6, 1, 5, 3, 7]
+    assert par["uplink_MBps"] == pytest.approx(25.0) and par["delay_ms"] == pytest.approx(1.0)
+    numel = 2**20 // 4
+    xb = {k: s.allreduce(numel, Config(**sc.CONFIGS[k]))[1] for k in sc.CONFIGS}
+    # the backend's bytes_cross_rack summed over ranks (README topology table, 1 MiB): 14.7 / 3.7 / 3.1 MB
+    assert xb["rank-ring"] == 2 * 7 * numel * 4 and xb["rank-ring"] / 1e6 == pytest.approx(14.7, abs=0.05)
+    assert xb["topo-ring"] / 1e6 == pytest.approx(3.7, abs=0.05)
+    assert xb["two-level"] / 1e6 == pytest.approx(3.1, abs=0.05)
+    t = {k: s.allreduce(numel, Config(**sc.CONFIGS[k]))[0] for k in sc.CONFIGS}
+    assert t["gloo"] == t["rank-ring"] and t["two-level"] < t["topo-ring"] < t["rank-ring"]
+    # rank-order ring: 4 flows leave each 200 Mbit/s rack uplink, each step one chunk of S/8
+    assert t["rank-ring"] == pytest.approx(14 * (50e-6 + 1e-3 + numel * 4 / 8 / (25e6 / 4)), rel=1e-9)
+
+
+def test_ordering_verdict_ties_and_mismatch():
+    sc = _sim_check()
+    ok, notes = sc.verdict({"a": 1.0, "b": 1.05, "c": 3.0}, {"a": 2.0, "b": 1.0, "c": 4.0}, 0.10)
+    assert ok and any("tie" in x for x in notes)
+    ok, notes = sc.verdict({"a": 1.0, "c": 3.0}, {"a": 4.0, "c": 3.0}, 0.10)
+    assert not ok and "MISMATCH" in notes[0]
+
+
+def test_calibrate_cli_cores(capsys, tmp_path):
+    alpha, beta = 30e-6, 1e-9
+    f = tmp_path / "ar.json"
+    f.write_text(json.dumps([{"backend": "xirang", "ws": n, "bytes": S, "time_us": 1e6 * sim.predict(alpha, beta, n, S, 2)}
+                             for n in (2, 4) for S in (2**20, 2**24)]))
+    d = json.loads(run_main(capsys, "--calibrate", str(f), "--cores", "2", "--json"))
+    assert d["cores"] == 2 and d["alpha_us"] == pytest.approx(30.0, rel=1e-6)
+    assert all(abs(r["error_pct"]) < 1e-6 for r in d["rows"])
+    plain = json.loads(run_main(capsys, "--calibrate", str(f), "--cores", "0", "--json"))
+    assert plain["cores"] is None and max(abs(r["error_pct"]) for r in plain["rows"]) > 1
