@@ -320,6 +320,7 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
     std::string path = cfg_.stats_dir + "/rank" + std::to_string(cfg_.global_rank) + ".jsonl";
     stats_file_ = std::fopen(path.c_str(), "a");
     if (!stats_file_) env::log(env::Level::Warn, rank, "cannot open " + path + " for the stats records");
+    else stats_thread_ = std::thread([this] { statsWriterLoop(); });
   }
   for (int r = 0; r < size; ++r) live_.push_back(r);
   info_.live = live_;
@@ -360,9 +361,32 @@ void ProcessGroupXirang::shutdown() {
   if (hb_thread_.joinable() && hb_thread_.get_id() != std::this_thread::get_id()) hb_thread_.join();
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
   if (tcp_) tcp_->close();
+  {
+    std::lock_guard<std::mutex> g(stats_mu_);
+    stats_stop_ = true;
+  }
+  stats_cv_.notify_all();
+  if (stats_thread_.joinable() && stats_thread_.get_id() != std::this_thread::get_id()) stats_thread_.join();
   if (stats_file_) {
     std::fclose(stats_file_);
     stats_file_ = nullptr;
+  }
+}
+
+void ProcessGroupXirang::statsWriterLoop() {
+  while (true) {
+    std::deque<OpRecord> batch;
+    {
+      std::unique_lock<std::mutex> g(stats_mu_);
+      stats_cv_.wait_for(g, std::chrono::milliseconds(100), [&] { return stats_stop_; });
+      if (stats_q_.empty()) {
+        if (stats_stop_) return;  // stopped and drained
+        continue;
+      }
+      batch.swap(stats_q_);
+    }
+    for (const auto& r : batch) writeRecord(r);
+    std::fflush(stats_file_);
   }
 }
 
@@ -555,17 +579,9 @@ void ProcessGroupXirang::runLoop() {
       // it began (up to `end`, before the wake-up); one that has not begun yet is unknown.
       op.rec.exposed_wait_s = op.rec.wait->seconds(
           std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count());
-      writeRecord(op.rec);
-      // Flushed when the queue is drained (before the caller wakes) or at most 100 ms after
-      // the previous flush: a flush per line cost more than the line on back-to-back ops.
-      bool idle;
       {
-        std::lock_guard<std::mutex> g(mu_);
-        idle = queue_.empty();
-      }
-      if (idle || end - last_flush_ >= std::chrono::milliseconds(100)) {
-        std::fflush(stats_file_);
-        last_flush_ = end;
+        std::lock_guard<std::mutex> g(stats_mu_);
+        stats_q_.push_back(op.rec);  // no wake-up: the writer comes by every 100 ms
       }
     }
     {
@@ -1008,7 +1024,7 @@ class JsonLine {
 };
 }  // namespace
 
-// One JSON line per operation in XIRANG_STATS_DIR/rank<global rank>.jsonl (communication thread).
+// One JSON line per operation in XIRANG_STATS_DIR/rank<global rank>.jsonl (the stats writer thread).
 void ProcessGroupXirang::writeRecord(const OpRecord& r) {
   JsonLine j;
   j.key("run_id").str(cfg_.run_id).key("pg").str(cfg_.group_name);
