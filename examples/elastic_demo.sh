@@ -75,8 +75,8 @@ echo "elastic demo: rank 0 and the spares exited ($rc); summary:" >&2
 import json, sys
 s = json.load(open(sys.argv[1]))
 m = s["membership"]
-print(f"final loss {s['final_loss']:.4f}, held-out accuracy {s.get('heldout_accuracy', float('nan')):.2f} %, "
+print(f"final loss {s['final_loss']:.4f}, held-out accuracy {100 * s.get('heldout_accuracy', float('nan')):.2f} %, "
       f"live ranks {m['live']} (epoch {m['epoch']}, {m['recoveries']} changes), "
-      f"last recovery {m['last_recovery_s']:.2f} s")
+      f"last recovery {m['last_recovery_s']:.2f} s ({m['last_failure']})")
 EOF
 exit "$rc"

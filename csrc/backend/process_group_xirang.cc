@@ -697,9 +697,11 @@ void ProcessGroupXirang::installEpoch(const elastic::Decision& d, const transpor
     info_.ring = ring;
     info_.recoveries++;
     info_.source = source;
-    info_.last_failure = reason;
-    info_.last_agreement_s = agreement_s;
-    info_.last_recovery_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (source < 0) {  // a failure (a growth keeps the last failure's figures)
+      info_.last_failure = reason;
+      info_.last_agreement_s = agreement_s;
+      info_.last_recovery_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    }
     epoch_.store(d.epoch);
     membership_signal_ = false;
   }
@@ -778,7 +780,8 @@ std::string ProcessGroupXirang::waitKey(const std::string& key, transport::Deadl
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::admitJoiners(int64_t expect, double wait_s) {
-  TORCH_CHECK(cfg_.elastic, "xirang rank ", rank_, ": admit_joiners needs elastic mode (XIRANG_ELASTIC=1)");
+  TORCH_CHECK(cfg_.elastic, "xirang rank ", rank_,
+              ": admit_joiners needs elastic mode (xirang.Options(elastic=True) or XIRANG_ELASTIC=1)");
   TORCH_CHECK(expect >= 0 && wait_s >= 0, "xirang rank ", rank_, ": admit_joiners: expect (", expect,
               ") and wait_s (", wait_s, ") must be >= 0");
   auto fn = [this, expect, wait_s](OpCtx& ctx) {

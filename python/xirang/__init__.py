@@ -87,6 +87,10 @@ def stats(process_group=None, gather: bool = False):
     return out
 
 
+def __dir__():
+    return sorted(list(globals()) + ["MembershipChanged"])
+
+
 def __getattr__(name):
     # xirang.MembershipChanged lives in the extension; load it only when asked for.
     if name == "MembershipChanged":

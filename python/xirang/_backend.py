@@ -92,6 +92,8 @@ def _labels() -> tuple:
     rack = os.environ.get("XIRANG_RACK", "")
     path = os.environ.get("XIRANG_TOPOLOGY_FILE", "")
     if not rack and path:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"XIRANG_TOPOLOGY_FILE={path!r}: no such file")
         with open(path) as f:
             for line in f:
                 parts = line.split("#", 1)[0].split()
@@ -141,7 +143,10 @@ def create(dist_backend_opts, backend_options):
     run_id = os.environ.get("XIRANG_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
     stats_dir = os.environ.get("XIRANG_STATS_DIR", "")
     if stats_dir:
-        os.makedirs(stats_dir, exist_ok=True)
+        try:
+            os.makedirs(stats_dir, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"XIRANG_STATS_DIR={stats_dir!r}: cannot create the directory: {e}") from None
     return C.ProcessGroupXirang(
         store,
         rank,

@@ -212,3 +212,21 @@ def test_no_fd_or_thread_leak_over_50_groups(backend, default_group):
             print(f"{backend}: rank {r} fds {fd0}->{fd1} threads {th0}->{th1}")
             assert fd1 - fd0 <= 3, f"rank {r}: open fds {fd0} -> {fd1} over 45 create/use/destroy cycles"
             assert th1 - th0 <= 2, f"rank {r}: threads {th0} -> {th1} over 45 create/use/destroy cycles"
+
+
+# ---------------------------------------------------------------- a peer exits before any op
+def w_peer_exits_before_first_op():
+    if dist.get_rank() == 1:
+        os._exit(0)  # never connects to anybody
+    time.sleep(0.5)
+    return mp_pool.capture(dist.all_reduce, torch.ones(1000))
+
+
+def test_peer_that_never_connected_is_detected_fast(backend):
+    with mp_pool.Pool(2, backend, timeout_s=60) as pool:
+        res = pool.run(w_peer_exits_before_first_op, allow_exit=[1], timeout=60)
+        first = res[0]
+        print(f"{backend}: rank 0 raised after {getattr(first, 'elapsed', None)}: {first}")
+        assert isinstance(first, mp_pool.ExcInfo), "rank 0's all_reduce did not raise"
+        assert first.elapsed < 5.0, f"raised after {first.elapsed:.2f} s (group timeout 60 s)"
+        assert "refuses connections" in str(first), str(first)

@@ -102,9 +102,15 @@ std::string compareHeader(const FrameHeader& e, const FrameHeader& g, int peer) 
   if (g.op_numel != e.op_numel)
     add("element count mismatch: this rank " + std::to_string(e.op_numel) + ", " + who + " " +
         std::to_string(g.op_numel));
-  if (out.empty() && g.aux != e.aux)
-    add("argument mismatch (root/chunk): this rank " + std::to_string(e.aux) + ", " + who + " " +
-        std::to_string(g.aux));
+  if (out.empty() && g.aux != e.aux) {
+    // One-directional collectives' agreement frame carries 1 << 40 | root (collectives.cc).
+    constexpr uint64_t kCheck = 1ULL << 40;
+    if ((g.aux & kCheck) && (e.aux & kCheck))
+      add("root mismatch: this rank root " + std::to_string(e.aux & (kCheck - 1)) + ", " + who + " root " +
+          std::to_string(g.aux & (kCheck - 1)));
+    else
+      add("argument mismatch (chunk): this rank " + std::to_string(e.aux) + ", " + who + " " + std::to_string(g.aux));
+  }
   if (out.empty() && g.payload_bytes != e.payload_bytes)
     add("frame length mismatch: expected " + std::to_string(e.payload_bytes) + " bytes, " + who +
         " sent " + std::to_string(g.payload_bytes));

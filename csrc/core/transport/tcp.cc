@@ -182,7 +182,12 @@ int connectTo(const std::string& address, Deadline deadline, int peer, const std
   std::string host, port;
   splitAddress(address, &host, &port);
   std::string last = "no address";
+  // A peer publishes its address only once it listens, so connections refused for a while mean
+  // its listener is gone: the process exited or destroyed its group. Fail now, not at the
+  // deadline (a refusal can also be a full accept backlog for an instant: a short grace).
+  Clock::time_point refused_since{};
   while (true) {
+    bool refused = false;
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -217,10 +222,20 @@ int connectTo(const std::string& address, Deadline deadline, int peer, const std
           setNonBlocking(fd, false);
           return fd;
         }
+        refused = refused || errno == ECONNREFUSED;
         last = errnoStr(errno);
         ::close(fd);
       }
       freeaddrinfo(res);
+    }
+    if (!refused) {
+      refused_since = {};
+    } else if (refused_since == Clock::time_point{}) {
+      refused_since = Clock::now();
+    } else if (Clock::now() - refused_since >= std::chrono::milliseconds(500)) {
+      throw TransportError("rank " + std::to_string(peer) + " at " + address +
+                               " refuses connections: its process exited or left the group",
+                           peer);
     }
     if (Clock::now() >= deadline) break;
     if (between_tries) between_tries();
