@@ -194,6 +194,13 @@ TEST_CASE("frame: compareHeader names each mismatch with both values", "[frame]"
     CHECK(contains(m, "this rank 2"));
     CHECK(contains(m, "rank 1 3"));
   }
+  SECTION("root of a one-directional collective's agreement frame") {
+    tp::FrameHeader ex = e, g = e;
+    ex.aux = (1ULL << 40) | 0;
+    g.aux = (1ULL << 40) | 1;
+    const std::string m = tp::compareHeader(ex, g, 1);
+    CHECK(contains(m, "root mismatch: this rank root 0, rank 1 root 1"));
+  }
   SECTION("frame length") {
     tp::FrameHeader g = e;
     g.payload_bytes = 5000000000000ULL;
