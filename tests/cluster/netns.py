@@ -625,6 +625,13 @@ def _half_time(t: str) -> str:
     raise ValueError(f"cannot parse delay {t!r} (e.g. 1ms, 500us)")
 
 
+def leftovers(prefix: str) -> list[str]:
+    """Namespaces and links whose name contains `prefix` (a cluster's objects still there)."""
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+    return [line for line in (ns + links).splitlines() if prefix in line]
+
+
 def placement(cluster: Cluster, ranks_per_host: int, mode: str = "roundrobin") -> list[Host]:
     """Host of every rank. 'block': ranks r*rph..r*rph+rph-1 on host r (hosts rack by rack, what
     torchrun with --node-rank in rack order does). 'roundrobin': consecutive ranks alternate racks,

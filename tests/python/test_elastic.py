@@ -47,6 +47,20 @@ def _ints(seed: int, n: int) -> torch.Tensor:
     return torch.randint(-1000, 1000, (n,), generator=g).float()  # sums exact in fp32
 
 
+def _checked_allreduces(seed: int, count: int, base_n: int) -> list:
+    """`count` allreduces of integer-valued inputs (rank r's i-th: _ints(seed * i + r, base_n + i)),
+    each re-issued on MembershipChanged. Returns [(retries, result == the live ranks' sum)]."""
+    X = _xirang()
+    me, out = dist.get_rank(), []
+    for i in range(count):
+        n = base_n + i
+        x = _ints(seed * i + me, n)
+        tries = _retrying(dist.all_reduce, x)
+        live = X.membership()["live"]
+        out.append((tries, bool(torch.equal(x, sum(_ints(seed * i + r, n) for r in live)))))
+    return out
+
+
 # ---------------------------------------------------------------- killed mid-allreduce
 def w_killed_mid_allreduce():
     X = _xirang()
@@ -60,13 +74,7 @@ def w_killed_mid_allreduce():
     first_ok = bool(torch.all(t == float(sum(r + 1 for r in m["live"]))))
     first_val = float(t[0])
     # The next 10 allreduces on the rebuilt ring, checked against the live ranks' inputs.
-    later = []
-    for i in range(10):
-        n = 1000 + 37 * i
-        x = _ints(100 * i + me, n)
-        dist.all_reduce(x)
-        ref = sum(_ints(100 * i + r, n) for r in m["live"])
-        later.append(bool(torch.equal(x, ref)))
+    later = [ok for _, ok in _checked_allreduces(100, 10, 1000)]
     return dict(tries=tries, membership=m, first_ok=first_ok, first_val=first_val, later=later,
                 op_s=t_done - t0)
 
@@ -136,19 +144,13 @@ def w_two_die():
     mp_pool.W.store.set(f"pid{me}", str(os.getpid()))
     dist.barrier()
     if me in (1, 3):
-        x = torch.ones(4 * MiB)
+        x = _ints(me, 2 * MiB)  # the same op #2 the survivors issue (a different size is a mismatch)
         if me == 3:
             os.kill(int(mp_pool.W.store.get("pid1").decode()), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(x)  # rank 1 is killed by rank 3 around here
         time.sleep(60)
-    results = []
-    for i in range(5):
-        n = 2 * MiB + i
-        x = _ints(7 * i + me, n)
-        tries = _retrying(dist.all_reduce, x)
-        live = X.membership()["live"]
-        results.append((tries, bool(torch.equal(x, sum(_ints(7 * i + r, n) for r in live)))))
+    results = _checked_allreduces(7, 5, 2 * MiB)
     return dict(m=X.membership(), results=results)
 
 
@@ -173,13 +175,7 @@ def w_fail_during_rebuild():
         # connecting to the new ring: a second membership change right after the first.
         X.on_membership_change(lambda m: os.kill(os.getpid(), signal.SIGKILL))
     dist.barrier()
-    out = []
-    for i in range(6):
-        n = MiB + i
-        x = _ints(11 * i + me, n)
-        tries = _retrying(dist.all_reduce, x)
-        live = X.membership()["live"]
-        out.append((tries, bool(torch.equal(x, sum(_ints(11 * i + r, n) for r in live)))))
+    out = _checked_allreduces(11, 6, MiB)
     return dict(m=X.membership(), out=out)
 
 

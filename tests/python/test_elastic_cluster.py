@@ -145,12 +145,6 @@ def _cluster_or_skip():
     return netns
 
 
-def _prefix_leftovers(prefix):
-    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
-    return [line for line in (ns + links).splitlines() if prefix in line]
-
-
 def _ns_pids(ns: str) -> list:
     p = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
     return [int(t) for t in p.stdout.split() if t.isdigit()]
@@ -253,7 +247,7 @@ def test_host_dies_under_torchrun():
         cluster.down()
         del store
         shutil.rmtree(out, ignore_errors=True)
-    assert _prefix_leftovers(prefix) == [], "namespaces/links left behind"
+    assert netns.leftovers(prefix) == [], "namespaces/links left behind"
 
     by_ns = {h.ns: h for h in cluster.hosts}
     for r in survivors:

@@ -350,12 +350,6 @@ def _cluster_or_skip():
     return netns
 
 
-def _prefix_leftovers(prefix):
-    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
-    return [line for line in (ns + links).splitlines() if prefix in line]
-
-
 def test_emulated_cluster_allreduce_and_cleanup():
     netns = _cluster_or_skip()
     out = tempfile.mkdtemp(prefix="xrtopo_cluster_")
@@ -389,7 +383,7 @@ def test_emulated_cluster_allreduce_and_cleanup():
     finally:
         cluster.down()
         shutil.rmtree(out, ignore_errors=True)
-    assert _prefix_leftovers(prefix) == [], "namespaces/links left behind"
+    assert netns.leftovers(prefix) == [], "namespaces/links left behind"
 
 
 def test_emulated_cluster_cleans_up_when_a_rank_fails():
@@ -409,7 +403,7 @@ def test_emulated_cluster_cleans_up_when_a_rank_fails():
     finally:
         cluster.down()
         shutil.rmtree(out, ignore_errors=True)
-    assert _prefix_leftovers(prefix) == [], "namespaces/links left behind after a failed rank"
+    assert netns.leftovers(prefix) == [], "namespaces/links left behind after a failed rank"
     ns_left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix not in ns_left
 
@@ -442,7 +436,7 @@ def test_emulated_cluster_torchrun():
     finally:
         cluster.down()
         shutil.rmtree(out, ignore_errors=True)
-    assert _prefix_leftovers(prefix) == []
+    assert netns.leftovers(prefix) == []
 
 
 def test_emulated_cluster_latency_and_rate():
@@ -473,4 +467,4 @@ def test_emulated_cluster_latency_and_rate():
     finally:
         cluster.down()
     assert all(p.poll() is not None for p in delay_procs)
-    assert _prefix_leftovers(prefix) == []
+    assert netns.leftovers(prefix) == []
