@@ -399,6 +399,14 @@ void ProcessGroupXirang::abort() {
   shutdown();
 }
 
+// Records the group's first error (every later op raises it) and stops this rank's heartbeat, so
+// that an elastic group's survivors drop it.
+void ProcessGroupXirang::poison(const std::string& msg) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (poison_.empty()) poison_ = msg;
+  hb_stop_ = true;
+}
+
 void ProcessGroupXirang::checkPoisoned() {
   std::lock_guard<std::mutex> g(mu_);
   TORCH_CHECK(poison_.empty(), poison_);
@@ -499,22 +507,21 @@ void ProcessGroupXirang::runLoop() {
       try {
         recover("rank " + std::to_string(rank_) + " was idle");
       } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> g(mu_);
-        if (poison_.empty()) poison_ = "xirang rank " + std::to_string(rank_) + ": " + e.what();
+        poison("xirang rank " + std::to_string(rank_) + ": " + e.what());
       }
       continue;
     }
     std::exception_ptr error;
-    std::string poison;
+    std::string first_error;
     {
       std::lock_guard<std::mutex> g(mu_);
-      poison = poison_;
+      first_error = poison_;
     }
     Clock::time_point start;
     if (records_on_) start = Clock::now();
     Phases ph;
-    if (!poison.empty()) {
-      error = std::make_exception_ptr(std::runtime_error(poison));
+    if (!first_error.empty()) {
+      error = std::make_exception_ptr(std::runtime_error(first_error));
     } else {
       try {
         at::ThreadLocalStateGuard guard(op.tls);
@@ -538,11 +545,7 @@ void ProcessGroupXirang::runLoop() {
           } catch (...) {
           }
         }
-        {
-          std::lock_guard<std::mutex> g(mu_);
-          if (poison_.empty()) poison_ = msg;
-          hb_stop_ = true;  // elastic: a poisoned rank stops its heartbeat and is dropped
-        }
+        poison(msg);
         env::log(env::Level::Warn, rank_, msg);
         {
           std::lock_guard<std::mutex> g(mem_mu_);
@@ -720,11 +723,7 @@ elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
   std::string reason = elastic::reportFailure(*store_, kElasticPrefix, epoch, why);
   if (reason.rfind(kFatal, 0) == 0) {  // a rank failed the group on purpose (see runLoop)
     std::string msg = "xirang rank " + std::to_string(rank_) + ": the group failed: " + reason.substr(std::strlen(kFatal));
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (poison_.empty()) poison_ = msg;
-      hb_stop_ = true;
-    }
+    poison(msg);
     throw transport::TransportError(msg, -1);
   }
   {
@@ -746,11 +745,7 @@ elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
     std::string msg = "xirang rank " + std::to_string(rank_) + ": declared dead by the survivors of epoch " +
                       std::to_string(epoch) + " (" + membershipText(&d) +
                       "); this process must not take part in the group again";
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (poison_.empty()) poison_ = msg;
-      hb_stop_ = true;
-    }
+    poison(msg);
     throw transport::TransportError(msg, rank_);
   }
   transport::Key128 key;
@@ -942,10 +937,7 @@ void ProcessGroupXirang::heartbeatLoop() {
       std::string msg = "xirang rank " + std::to_string(rank_) + ": elastic heartbeat: the store is unreachable (" +
                         e.what() + "); elastic mode needs a store that outlives every failed node";
       env::log(env::Level::Warn, rank_, msg);
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        if (poison_.empty()) poison_ = msg;
-      }
+      poison(msg);
       {
         std::lock_guard<std::mutex> g(mem_mu_);
         if (tcp_) tcp_->interrupt(msg);

@@ -269,6 +269,7 @@ class ProcessGroupXirang : public c10d::Backend {
   void writeRecord(const OpRecord& r);
   void runLoop();
   void checkPoisoned();
+  void poison(const std::string& msg);
   std::string describe(const Op& op) const;
   // Runs op.fn; in elastic mode also the ack round, recovery, retry and the void-range rule.
   void runOp(Op& op);
