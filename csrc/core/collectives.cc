@@ -61,6 +61,15 @@ std::vector<Seg> segmentsOf(Ptr base, uint64_t bytes, uint64_t seg_bytes) {
   return out;
 }
 
+// Receive segments for a message of `bytes` bytes, all landing in the one seg-byte buffer `buf`:
+// exchange() hands segment i to on_segment before it reads segment i+1, so the consumer (a
+// reduction) reads it from cache, and segment i is bytes [i*seg, i*seg + segs[i].bytes) of the message.
+std::vector<RecvSeg> segmentsInto(void* buf, uint64_t bytes, uint64_t seg) {
+  std::vector<RecvSeg> out;
+  for (uint64_t off = 0; off < bytes; off += seg) out.push_back(RecvSeg{buf, std::min(seg, bytes - off)});
+  return out;
+}
+
 // aux bit marking the agreement check (an empty frame) of one-directional collectives.
 constexpr uint64_t kCheckBit = 1ULL << 40;
 
@@ -129,11 +138,10 @@ void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel
   const int next = comm.ring[ring::nextPos(pos, n)];
   const int prev = comm.ring[ring::prevPos(pos, n)];
   auto chunks = ring::partition(numel, n);
-  int64_t max_chunk = 0;
-  for (auto& c : chunks) max_chunk = std::max(max_chunk, c.count);
-  uint8_t* tmp = comm.scratch->get(0, static_cast<size_t>(max_chunk) * elem);
   uint8_t* base = static_cast<uint8_t*>(data);
   const uint64_t seg = segBytesFor(comm, elem);
+  // Received segments share one segment-sized buffer (segmentsInto), reduced while in cache.
+  uint8_t* tmp = comm.scratch->get(0, seg);
 
   auto t0 = Clock::now();
   for (int s = 0; s < n - 1; ++s) {
@@ -143,11 +151,10 @@ void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel
     std::vector<SendJob> sends{{next, headerFor(ctx, static_cast<uint64_t>(s)),
                                 segmentsOf<SendSeg, const void*>(base + sc.offset * elem, sc.count * elem, seg)}};
     std::vector<RecvJob> recvs{{prev, headerFor(ctx, static_cast<uint64_t>(s)),
-                                segmentsOf<RecvSeg, void*>(tmp, rc.count * elem, seg), nullptr}};
+                                segmentsInto(tmp, rc.count * elem, seg), nullptr}};
     auto& rsegs = recvs[0].segs;
     recvs[0].on_segment = [&](size_t i) {
-      uint64_t off = static_cast<uint8_t*>(rsegs[i].data) - tmp;
-      reduceInto(base + rc.offset * elem + off, rsegs[i].data, static_cast<int64_t>(rsegs[i].bytes / elem), wire, op);
+      reduceInto(base + rc.offset * elem + i * seg, tmp, static_cast<int64_t>(rsegs[i].bytes / elem), wire, op);
     };
     runExchange(comm, ctx, sends, recvs);
   }
@@ -312,10 +319,8 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
   const int next = comm.ring[ring::nextPos(pos, n)];
   const int prev = comm.ring[ring::prevPos(pos, n)];
   auto chunks = ring::partition(numel, n);
-  int64_t max_chunk = 0;
-  for (auto& c : chunks) max_chunk = std::max(max_chunk, c.count);
-  uint16_t* tmp = reinterpret_cast<uint16_t*>(comm.scratch->get(0, static_cast<size_t>(max_chunk) * 2));
   const uint64_t seg = segBytesFor(comm, 2);
+  uint16_t* tmp = reinterpret_cast<uint16_t*>(comm.scratch->get(0, seg));
 
   // First hop: this position starts chunk ring::scatterReduceStep(pos, n, 0).send_chunk.
   auto t0 = Clock::now();
@@ -333,15 +338,15 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
     std::vector<SendJob> sends{{next, headerFor(ctx, static_cast<uint64_t>(s)),
                                 segmentsOf<SendSeg, const void*>(wire + sc.offset, sc.count * 2, seg)}};
     std::vector<RecvJob> recvs{{prev, headerFor(ctx, static_cast<uint64_t>(s)),
-                                segmentsOf<RecvSeg, void*>(tmp, rc.count * 2, seg), nullptr}};
+                                segmentsInto(tmp, rc.count * 2, seg), nullptr}};
     auto& rsegs = recvs[0].segs;
     recvs[0].on_segment = [&](size_t i) {
       auto tc = Clock::now();
-      int64_t off = (static_cast<uint16_t*>(rsegs[i].data) - tmp) + rc.offset;
+      int64_t off = static_cast<int64_t>(i * seg / 2) + rc.offset;
       int64_t cnt = static_cast<int64_t>(rsegs[i].bytes / 2);
       // Partial sum so far + this rank's x/N + residual, re-encoded; the rounding error of this
       // hop becomes this rank's residual for these elements (every rounding is fed back).
-      codec::accumulateEncodeEF(static_cast<const uint16_t*>(rsegs[i].data), x + off, scale, r_in + off,
+      codec::accumulateEncodeEF(tmp, x + off, scale, r_in + off,
                                 r_out + off, wire + off, cnt);
       hop_codec_s += since(tc);
     };
@@ -433,10 +438,8 @@ void reduceScatter(const Comm& comm, const OpCtx& ctx, const std::vector<RecvSeg
   // Chunk c of the ring schedule is the block of rank ring[c-1]: position p then ends owning
   // chunk p+1, i.e. its own block.
   auto blockOf = [&](int chunk) -> const RecvSeg& { return blocks[comm.ring[(chunk - 1 + n) % n]]; };
-  uint64_t max_bytes = 0;
-  for (auto& b : blocks) max_bytes = std::max(max_bytes, b.bytes);
-  uint8_t* tmp = comm.scratch->get(0, max_bytes);
   const uint64_t seg = segBytesFor(comm, elem);
+  uint8_t* tmp = comm.scratch->get(0, seg);
   auto t0 = Clock::now();
   for (int s = 0; s < n - 1; ++s) {
     auto st = ring::scatterReduceStep(pos, n, s);
@@ -445,11 +448,10 @@ void reduceScatter(const Comm& comm, const OpCtx& ctx, const std::vector<RecvSeg
     std::vector<SendJob> sends{{next, headerFor(ctx, static_cast<uint64_t>(s)),
                                 segmentsOf<SendSeg, const void*>(sb.data, sb.bytes, seg)}};
     std::vector<RecvJob> recvs{{prev, headerFor(ctx, static_cast<uint64_t>(s)),
-                                segmentsOf<RecvSeg, void*>(tmp, rb.bytes, seg), nullptr}};
+                                segmentsInto(tmp, rb.bytes, seg), nullptr}};
     auto& rsegs = recvs[0].segs;
     recvs[0].on_segment = [&](size_t i) {
-      uint64_t off = static_cast<uint8_t*>(rsegs[i].data) - tmp;
-      reduceInto(static_cast<uint8_t*>(rb.data) + off, rsegs[i].data, static_cast<int64_t>(rsegs[i].bytes / elem), wire, op);
+      reduceInto(static_cast<uint8_t*>(rb.data) + i * seg, tmp, static_cast<int64_t>(rsegs[i].bytes / elem), wire, op);
     };
     runExchange(comm, ctx, sends, recvs);
   }

@@ -95,7 +95,8 @@ struct SendJob {
 };
 // All segments from one peer, received in order into the given buffers; each received header
 // must equal `expect` (payload_bytes = segment bytes). `on_segment(i)` runs on the exchanging
-// thread as soon as segment i is in memory (e.g. to reduce it while later ones are in flight).
+// thread as soon as segment i is in memory (e.g. to reduce it while later ones are in flight),
+// and returns before any byte of segment i+1 is read: segments may share one buffer.
 struct RecvJob {
   int peer;
   FrameHeader expect;
