@@ -16,6 +16,7 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_SOCKET_IFNAME", "", "network interface to listen and connect on (like GLOO_SOCKET_IFNAME); default: the address the hostname resolves to, else loopback"},
       {"XIRANG_SEGMENT_BYTES", "1048576", "ring segment size in bytes: encode, send, receive and reduce of different segments overlap"},
       {"XIRANG_SMALL_BYTES", "65536", "messages up to this many bytes take the latency-optimal direct exchange instead of the ring"},
+      {"XIRANG_SEND_THREAD_BYTES", "1048576", "a ring step that sends at least this many bytes to one peer while receiving pumps the send on a helper thread (0: never)"},
       {"XIRANG_CODEC", "auto", "codec path: auto, avx512bf16, avx2, scalar"},
       {"XIRANG_CUDA_TRANSPORT", "auto", "CUDA tensors: auto or host (pinned host staging + TCP); nccl is not implemented yet"},
       {"XIRANG_ALGO", "auto", "allreduce algorithm: auto, ring, direct, two_level"},

@@ -120,7 +120,7 @@ def test_group_timeout(backend):
 
 
 # ---------------------------------------------------------------- per-op timeout beats group's
-def w_op_timeout():
+def w_op_timeout(numel):
     g = dist.new_group(backend=mp_pool.W.backend, timeout=datetime.timedelta(seconds=10))
     dist.barrier(group=g)
     if dist.get_rank() == 1:
@@ -131,7 +131,7 @@ def w_op_timeout():
     opts.timeout = _ms(200)
 
     def op():
-        return g.allreduce([torch.ones(8)], opts).wait()
+        return g.allreduce([torch.ones(numel)], opts).wait()
 
     first = mp_pool.capture(op)
     second = _second_op_raises(torch.ones(8), group=g)
@@ -139,9 +139,12 @@ def w_op_timeout():
     return first, second
 
 
-def test_op_timeout_beats_group_timeout(backend):
+# 64 MiB: the ring's sends (32 MiB a step) run on the transport's helper sender thread and block
+# on the absent peer's full socket when the deadline passes.
+@pytest.mark.parametrize("numel", [8, 16 << 20], ids=["32B", "64MiB"])
+def test_op_timeout_beats_group_timeout(backend, numel):
     with mp_pool.Pool(2, backend, timeout_s=60) as pool:
-        first, second = pool.run(w_op_timeout, timeout=60)[0]
+        first, second = pool.run(w_op_timeout, numel, timeout=60)[0]
         print(f"{backend}: op timeout 200 ms -> raised after {getattr(first, 'elapsed', None)}: {first}")
         assert isinstance(first, mp_pool.ExcInfo), "all_reduce with an absent peer did not raise"
         assert first.is_runtime_error, f"not a RuntimeError: {first}"

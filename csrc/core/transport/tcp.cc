@@ -9,12 +9,16 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <exception>
+#include <thread>
 
 #include "core/env.h"
 
@@ -642,6 +646,13 @@ struct InStream {
   throw TransportError("rank " + std::to_string(peer) + " aborted: " + msg, peer);
 }
 
+// XIRANG_SEND_THREAD_BYTES: sends of at least this many bytes to one peer during a receive get
+// their own thread (0: never).
+int64_t sendThreadBytes() {
+  static const int64_t v = env::getInt("XIRANG_SEND_THREAD_BYTES");
+  return v;
+}
+
 // Data on a connection we only send on: the peer is telling us it aborted, or it closed.
 [[noreturn]] void readBackChannel(int fd, int peer) {
   uint8_t hdr[kHeaderBytes];
@@ -731,10 +742,112 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
     }
   }
 
-  std::vector<pollfd> pfds;
-  std::vector<std::pair<bool, size_t>> who;  // (is_out, index)
-  auto last_store_check = Clock::now();
+  // Sends on one stream what its socket takes now (until EAGAIN or the stream is done).
+  auto pumpOut = [&](OutStream& s, short revents, uint64_t& sent, std::vector<PeerTiming>* tm) {
+    if (revents & POLLIN) readBackChannel(s.fd, s.peer);
+    if (revents & (POLLERR | POLLHUP | POLLNVAL))
+      throw TransportError("connection to rank " + std::to_string(s.peer) + " lost", s.peer);
+    while (s.cur < s.frames.size()) {
+      OutFrame& f = s.frames[s.cur];
+      if (!s.hdr_ready) {
+        encodeHeader(f.h, s.hdr);
+        s.hdr_ready = true;
+        s.hdr_off = 0;
+        s.pay_off = 0;
+      }
+      ssize_t w;
+      if (s.hdr_off < kHeaderBytes) {
+        iovec iov[2] = {{s.hdr + s.hdr_off, kHeaderBytes - s.hdr_off},
+                        {const_cast<uint8_t*>(f.data), static_cast<size_t>(f.bytes)}};
+        msghdr m{};
+        m.msg_iov = iov;
+        m.msg_iovlen = f.bytes ? 2 : 1;
+        w = ::sendmsg(s.fd, &m, MSG_NOSIGNAL);
+        if (w > 0) {
+          size_t hw = std::min<size_t>(static_cast<size_t>(w), kHeaderBytes - s.hdr_off);
+          s.hdr_off += hw;
+          s.pay_off += static_cast<uint64_t>(w) - hw;
+        }
+      } else {
+        w = ::send(s.fd, f.data + s.pay_off, static_cast<size_t>(f.bytes - s.pay_off), MSG_NOSIGNAL);
+        if (w > 0) s.pay_off += static_cast<uint64_t>(w);
+      }
+      if (w < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+        throw TransportError("send to rank " + std::to_string(s.peer) + " failed: " + errnoStr(errno), s.peer);
+      }
+      if (s.hdr_off == kHeaderBytes && s.pay_off == f.bytes) {
+        dieAfterSegmentsHook(rank_, f.bytes);
+        sent += f.bytes;
+        s.bytes_done += f.bytes;
+        s.cur++;
+        s.hdr_ready = false;
+        if (tm && s.cur == s.frames.size()) tm->push_back({s.peer, true, elapsed(), s.bytes_done});
+      }
+    }
+  };
+
+  // A large send to one peer while receiving (a ring step) is pumped by a helper thread blocked
+  // in its own poll(), as a sender thread beside a receiver thread would be: neither direction
+  // waits for the other's syscalls or for the reductions run in on_segment. (On loopback, WS=2,
+  // 64 MiB allreduce: see the README's benchmark notes.) The main loop leaves outs[0] alone until
+  // the helper is done; after that it handles it as usual (back channel, or what the helper left
+  // when the deadline passed).
+  struct Helper {
+    std::thread th;
+    std::atomic<bool> stop{false}, done{false};
+    std::exception_ptr err;
+    uint64_t sent = 0;
+    std::vector<PeerTiming> timings;
+    int evfd = -1;
+    bool active = false;
+    void join() {
+      if (th.joinable()) {
+        stop = true;
+        th.join();
+      }
+      if (evfd >= 0) ::close(evfd);
+      evfd = -1;
+    }
+    ~Helper() { join(); }
+  } helper;
   uint64_t sent_payload = 0;
+  auto finishHelper = [&] {
+    helper.join();
+    helper.active = false;
+    sent_payload += helper.sent;
+    if (timings) timings->insert(timings->end(), helper.timings.begin(), helper.timings.end());
+    if (helper.err) std::rethrow_exception(helper.err);
+  };
+  if (outs.size() == 1 && !ins.empty() && sendThreadBytes() > 0) {
+    uint64_t total = 0;
+    for (auto& f : outs[0].frames) total += f.bytes;
+    if (total >= static_cast<uint64_t>(sendThreadBytes()) &&
+        (helper.evfd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) >= 0) {
+      helper.active = true;
+      helper.th = std::thread([&] {
+        OutStream& s = outs[0];
+        try {
+          while (s.cur < s.frames.size() && !helper.stop.load(std::memory_order_relaxed)) {
+            pollfd p{s.fd, POLLIN | POLLOUT, 0};
+            int r = ::poll(&p, 1, std::min(msUntil(deadline), 20));
+            if (r < 0 && errno != EINTR) throw TransportError("poll failed: " + errnoStr(errno), -1);
+            if (r > 0) pumpOut(s, p.revents, helper.sent, timings ? &helper.timings : nullptr);
+            if (r == 0 && Clock::now() >= deadline) break;
+          }
+        } catch (...) {
+          helper.err = std::current_exception();
+        }
+        helper.done.store(true, std::memory_order_release);
+        uint64_t one = 1;
+        (void)!::write(helper.evfd, &one, sizeof(one));
+      });
+    }
+  }
+
+  std::vector<pollfd> pfds;
+  std::vector<std::pair<bool, size_t>> who;  // (is_out, index); (false, SIZE_MAX): the helper
+  auto last_store_check = Clock::now();
   while (true) {
     pfds.clear();
     who.clear();
@@ -744,9 +857,14 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
       pending = true;
       if (in.fd < 0 && (in.fd = tryIncoming(in.peer)) < 0) connecting = true;
     }
-    for (auto& out : outs) pending = pending || out.cur < out.frames.size();
+    if (helper.active) {
+      pending = true;
+      pfds.push_back({helper.evfd, POLLIN, 0});
+      who.push_back({false, SIZE_MAX});
+    }
+    for (size_t i = helper.active ? 1 : 0; i < outs.size(); ++i) pending = pending || outs[i].cur < outs[i].frames.size();
     if (!pending) break;
-    for (size_t i = 0; i < outs.size(); ++i) {
+    for (size_t i = helper.active ? 1 : 0; i < outs.size(); ++i) {
       // Abort frames arrive on the back channel, also after our sends to that peer are done.
       const bool sending = outs[i].cur < outs[i].frames.size();
       if (!sending && outs[i].back_closed) continue;
@@ -773,16 +891,22 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
       throw TransportError("poll failed: " + errnoStr(errno), -1);
     }
     if (r == 0 && Clock::now() >= deadline) {
+      if (helper.active) finishHelper();
       std::string waiting;
+      auto add = [&](const std::string& w) { waiting += (waiting.empty() ? " " : ", ") + w; };
       for (auto& s : ins)
         if (s.cur < s.frames.size())
-          waiting += " receive from rank " + std::to_string(s.peer) + (s.fd < 0 ? " (it has not connected)" : "");
+          add("receive from rank " + std::to_string(s.peer) + (s.fd < 0 ? " (it has not connected)" : ""));
       for (auto& s : outs)
-        if (s.cur < s.frames.size()) waiting += " send to rank " + std::to_string(s.peer);
+        if (s.cur < s.frames.size()) add("send to rank " + std::to_string(s.peer));
       throw TimeoutError("timed out; still waiting to" + waiting, -1);
     }
     for (size_t k = 0; k < pfds.size(); ++k) {
       if (pfds[k].revents == 0) continue;
+      if (who[k].second == SIZE_MAX) {
+        finishHelper();
+        continue;
+      }
       if (who[k].first) {
         OutStream& s = outs[who[k].second];
         if (s.cur >= s.frames.size()) {
@@ -791,47 +915,7 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
           if (!readAbortIfAny(s.fd, s.peer)) s.back_closed = true;
           continue;
         }
-        if (pfds[k].revents & POLLIN) readBackChannel(s.fd, s.peer);
-        if (pfds[k].revents & (POLLERR | POLLHUP | POLLNVAL))
-          throw TransportError("connection to rank " + std::to_string(s.peer) + " lost", s.peer);
-        while (s.cur < s.frames.size()) {
-          OutFrame& f = s.frames[s.cur];
-          if (!s.hdr_ready) {
-            encodeHeader(f.h, s.hdr);
-            s.hdr_ready = true;
-            s.hdr_off = 0;
-            s.pay_off = 0;
-          }
-          ssize_t w;
-          if (s.hdr_off < kHeaderBytes) {
-            iovec iov[2] = {{s.hdr + s.hdr_off, kHeaderBytes - s.hdr_off},
-                            {const_cast<uint8_t*>(f.data), static_cast<size_t>(f.bytes)}};
-            msghdr m{};
-            m.msg_iov = iov;
-            m.msg_iovlen = f.bytes ? 2 : 1;
-            w = ::sendmsg(s.fd, &m, MSG_NOSIGNAL);
-            if (w > 0) {
-              size_t hw = std::min<size_t>(static_cast<size_t>(w), kHeaderBytes - s.hdr_off);
-              s.hdr_off += hw;
-              s.pay_off += static_cast<uint64_t>(w) - hw;
-            }
-          } else {
-            w = ::send(s.fd, f.data + s.pay_off, static_cast<size_t>(f.bytes - s.pay_off), MSG_NOSIGNAL);
-            if (w > 0) s.pay_off += static_cast<uint64_t>(w);
-          }
-          if (w < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-            throw TransportError("send to rank " + std::to_string(s.peer) + " failed: " + errnoStr(errno), s.peer);
-          }
-          if (s.hdr_off == kHeaderBytes && s.pay_off == f.bytes) {
-            dieAfterSegmentsHook(rank_, f.bytes);
-            sent_payload += f.bytes;
-            s.bytes_done += f.bytes;
-            s.cur++;
-            s.hdr_ready = false;
-            if (timings && s.cur == s.frames.size()) timings->push_back({s.peer, true, elapsed(), s.bytes_done});
-          }
-        }
+        pumpOut(s, pfds[k].revents, sent_payload, timings);
       } else {
         InStream& s = ins[who[k].second];
         while (s.cur < s.frames.size()) {
