@@ -276,7 +276,7 @@ def cluster(a, sim, alpha: float, beta: float) -> dict:
             return {"skipped": "--cluster-run needs root (network namespaces)"}
         out = a.cluster_save or tempfile.NamedTemporaryFile(prefix="simcheck_topo_", suffix=".json", delete=False).name
         cmd = [sys.executable, os.path.join(HERE, "topology.py"), "--ddp-steps", "0", "--sizes", a.cluster_sizes,
-               "--probe-mb", "8", "--json", out]
+               "--reps", str(a.cluster_reps), "--probe-mb", "8", "--json", out]
         print("part 3: " + " ".join(cmd), file=sys.stderr, flush=True)
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.cluster_timeout)
         if p.returncode != 0:
@@ -309,6 +309,7 @@ def cluster(a, sim, alpha: float, beta: float) -> dict:
         ok, notes = verdict(pred, meas, a.tie)
         n_match += ok
         rows.append({"MiB": r["size"] / MiB, "reps": r["reps"], "measured_ms": {m: 1e3 * meas[m] for m in METHODS},
+                     "measured_range_ms": {m: [1e3 * min(r["times"][m]), 1e3 * max(r["times"][m])] for m in METHODS},
                      "predicted_ms": {m: 1e3 * pred[m] for m in METHODS},
                      "error_pct": {m: 100 * (pred[m] / meas[m] - 1) for m in METHODS},
                      "measured_order": sorted(METHODS, key=meas.get), "predicted_order": sorted(METHODS, key=pred.get),
@@ -341,7 +342,10 @@ def main() -> int:
     g.add_argument("--cluster-run", action="store_true", help="run benchmarks/topology.py for part 3 (root)")
     ap.add_argument("--cluster-save", help="with --cluster-run: keep topology.py's JSON here")
     ap.add_argument("--cluster-sizes", default="1M,4M,16M,64M")
-    ap.add_argument("--cluster-timeout", type=float, default=600)
+    ap.add_argument("--cluster-reps", type=int, default=3,
+                    help="repetitions per size of the cluster run (median; single 64 MiB runs of the topology "
+                         "ring moved by 50%% between repetitions)")
+    ap.add_argument("--cluster-timeout", type=float, default=1200)
     ap.add_argument("--tie", type=float, default=0.10, help="predicted times within this fraction are a tie")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -395,6 +399,8 @@ def main() -> int:
             tab.append(x)
         print(sim.table(tab, list(tab[0])))
         for r in c["rows"]:
+            print(f"  {r['MiB']:.0f} MiB, {r['reps']} reps, measured min-max ms: " + ", ".join(
+                f"{m} {lo:.0f}-{hi:.0f}" for m, (lo, hi) in r["measured_range_ms"].items()))
             print(f"  {r['MiB']:.0f} MiB: " + "; ".join(r["pairs"]) + "; xrack MB measured/predicted: " + ", ".join(
                 f"{m} {r['xrack_MB_measured'].get(m, float('nan')):.1f}/{r['xrack_MB_predicted'][m]:.1f}" for m in METHODS[:3]))
         print(f"ordering (ties: predicted within {c['tie_pct']:.0f}%): {c['sizes_matching']}/{c['sizes']} sizes match"

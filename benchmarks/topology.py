@@ -58,6 +58,66 @@ def fmt_size(n: int) -> str:
 
 
 # ======================================================================== worker (one rank)
+def lockstep_probe(cfg, store, rank, socket, dist) -> dict:
+    """k = 1, 2, 4 TCP flows each way between k ranks of rank 0's rack and k ranks of another rack,
+    all at once (so data and ACKs of both directions share each uplink, as in a ring), in lockstep
+    rounds as a ring's steps are: each round every flow moves --probe-mb / 4 bytes and a barrier ends
+    it. Returns {k: Mbit/s the k flows of one direction moved together, the barrier's time taken
+    off}: whether ring edges sharing a rack uplink split it without loss, as xirang.sim assumes
+    (RingSet: uplink / flows)."""
+    import threading
+
+    racks = cfg["racks_of"]
+    mine = [r for r in range(len(racks)) if racks[r] == racks[0]]
+    other = [r for r in range(len(racks)) if racks[r] != racks[0]]
+    chunk = max(1, cfg["probe_bytes"] // 4)
+    rounds = 3
+    out = {}
+    for k in (1, 2, 4):
+        if k > min(len(mine), len(other)):
+            break
+        flows = list(zip(mine[:k], other[:k])) + list(zip(other[:k], mine[:k]))
+        tx = rx = None
+        for i, (src, dst) in enumerate(flows):
+            if rank == dst:
+                srv = socket.socket()
+                srv.bind((cfg["ips"][rank], 0))
+                srv.listen(1)
+                store.set(f"lockstep/{k}/{i}", str(srv.getsockname()[1]))
+                rx, _ = srv.accept()
+                srv.close()
+            elif rank == src:
+                port = int(store.get(f"lockstep/{k}/{i}"))
+                tx = socket.create_connection((cfg["ips"][dst], port))
+        sbuf, rbuf = bytearray(chunk), bytearray(chunk)
+
+        def one_round(nbytes):
+            dist.barrier()
+            t0 = time.perf_counter()
+            th = None
+            if tx is not None and nbytes:
+                th = threading.Thread(target=tx.sendall, args=(memoryview(sbuf)[:nbytes],))
+                th.start()
+            if rx is not None and nbytes:
+                view, got = memoryview(rbuf), 0
+                while got < nbytes:
+                    got += rx.recv_into(view[got:nbytes], nbytes - got)
+            if th is not None:
+                th.join()
+            dist.barrier()
+            return time.perf_counter() - t0
+
+        one_round(chunk)  # warm-up (slow start)
+        empty = min(one_round(0) for _ in range(3))
+        t = sum(one_round(chunk) for _ in range(rounds)) - rounds * empty
+        out[str(k)] = k * chunk * rounds * 8 / t / 1e6
+        for c in (tx, rx):
+            if c is not None:
+                c.close()
+        dist.barrier()
+    return out
+
+
 def worker() -> int:
     import socket
 
@@ -126,6 +186,8 @@ def worker() -> int:
             s.close()
         dist.barrier()
     info["link_mbit"] = link
+    if cfg["probe_cross"] is not None:
+        info["lockstep_mbit"] = lockstep_probe(cfg, store, rank, socket, dist)
 
     # ---- allreduce
     rows = []
@@ -283,7 +345,8 @@ def main() -> int:
         cfg = {"sizes": sizes, "reps": reps, "warmup": a.warmup, "ddp_steps": a.ddp_steps, "layers": a.layers,
                "width": a.width, "batch": a.batch, "bucket_mb": a.bucket_mb, "op_timeout": a.op_timeout,
                "ips": [h.ip for h in hosts], "probe_cross": cross if a.probe_mb > 0 else None,
-               "probe_intra": intra if a.probe_mb > 0 else None, "probe_bytes": int(a.probe_mb * MiB), "out": out}
+               "probe_intra": intra if a.probe_mb > 0 else None, "probe_bytes": int(a.probe_mb * MiB), "out": out,
+               "racks_of": [h.rack for h in hosts]}
         setup = c.describe()
         print(f"set-up: {setup}\n        {ws} ranks, {a.ranks_per_host} per host, placement {a.placement}: "
               + " ".join(f"{r}:{h.ns[-2:]}/{h.rack}" for r, h in enumerate(hosts)), file=sys.stderr, flush=True)
@@ -315,6 +378,9 @@ def report(res, a, setup, ws, hosts, elapsed, load0, load1) -> None:
     lines.append(f"# {setup}")
     lines.append("# raw TCP from rank 0 (one stream): " + ", ".join(
         f"{k} {v:.0f} Mbit/s" for k, v in info.get("link_mbit", {}).items()))
+    if info.get("lockstep_mbit"):
+        lines.append("# cross-rack, k flows sharing the uplink in lockstep rounds: " + ", ".join(
+            f"k={k} {v:.0f} Mbit/s" for k, v in info["lockstep_mbit"].items()))
     lines.append("# rings: " + "; ".join(f"{m} {r}" for m, r in info["rings"].items()))
     lines.append(f"# wall {elapsed:.0f} s, load average {load0[0]:.1f} -> {load1[0]:.1f} "
                  f"({os.cpu_count()} CPUs, shared)")
