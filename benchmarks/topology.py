@@ -58,6 +58,22 @@ def fmt_size(n: int) -> str:
 
 
 # ======================================================================== worker (one rank)
+def pair_socket(store, key, rank, src, dst, ips, socket):
+    """A TCP connection from rank src to rank dst (dst listens on its own address, the port goes
+    through the store under key): src and dst get their end, other ranks None."""
+    if rank == dst:
+        srv = socket.socket()
+        srv.bind((ips[rank], 0))
+        srv.listen(1)
+        store.set(key, str(srv.getsockname()[1]))
+        c, _ = srv.accept()
+        srv.close()
+        return c
+    if rank == src:
+        return socket.create_connection((ips[dst], int(store.get(key))))
+    return None
+
+
 def lockstep_probe(cfg, store, rank, socket, dist) -> dict:
     """k = 1, 2, 4 TCP flows each way between k ranks of rank 0's rack and k ranks of another rack,
     all at once (so data and ACKs of both directions share each uplink, as in a ring), in lockstep
@@ -79,16 +95,11 @@ def lockstep_probe(cfg, store, rank, socket, dist) -> dict:
         flows = list(zip(mine[:k], other[:k])) + list(zip(other[:k], mine[:k]))
         tx = rx = None
         for i, (src, dst) in enumerate(flows):
+            c = pair_socket(store, f"lockstep/{k}/{i}", rank, src, dst, cfg["ips"], socket)
             if rank == dst:
-                srv = socket.socket()
-                srv.bind((cfg["ips"][rank], 0))
-                srv.listen(1)
-                store.set(f"lockstep/{k}/{i}", str(srv.getsockname()[1]))
-                rx, _ = srv.accept()
-                srv.close()
+                rx = c
             elif rank == src:
-                port = int(store.get(f"lockstep/{k}/{i}"))
-                tx = socket.create_connection((cfg["ips"][dst], port))
+                tx = c
         sbuf, rbuf = bytearray(chunk), bytearray(chunk)
 
         def one_round(nbytes):
@@ -151,18 +162,13 @@ def worker() -> int:
 
     # ---- raw TCP between namespaces: rank 0 -> the first rank on another rack / same rack
     store = dist.distributed_c10d._get_default_store()
-    my_ip = cfg["ips"][rank]
     link = {}
     for name, dst in (("cross-rack", cfg["probe_cross"]), ("intra-rack", cfg["probe_intra"])):
         if dst is None:
             continue
         nbytes = cfg["probe_bytes"]
+        c = pair_socket(store, f"probe/{name}", rank, 0, dst, cfg["ips"], socket)
         if rank == dst:
-            srv = socket.socket()
-            srv.bind((my_ip, 0))
-            srv.listen(1)
-            store.set(f"probe/{name}", str(srv.getsockname()[1]))
-            c, _ = srv.accept()
             got = 0
             while got < nbytes:
                 b = c.recv(1 << 20)
@@ -171,19 +177,16 @@ def worker() -> int:
                 got += len(b)
             c.sendall(b"k")
             c.close()
-            srv.close()
         elif rank == 0:
-            port = int(store.get(f"probe/{name}"))
-            s = socket.create_connection((cfg["ips"][dst], port))
             buf = b"\0" * (1 << 20)
             t0 = time.perf_counter()
             sent = 0
             while sent < nbytes:
-                s.sendall(buf)
+                c.sendall(buf)
                 sent += len(buf)
-            s.recv(1)
+            c.recv(1)
             link[name] = nbytes * 8 / (time.perf_counter() - t0) / 1e6
-            s.close()
+            c.close()
         dist.barrier()
     info["link_mbit"] = link
     if cfg["probe_cross"] is not None:

@@ -795,7 +795,7 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
   // when the deadline passed).
   struct Helper {
     std::thread th;
-    std::atomic<bool> stop{false}, done{false};
+    std::atomic<bool> stop{false};
     std::exception_ptr err;
     uint64_t sent = 0;
     std::vector<PeerTiming> timings;
@@ -838,8 +838,7 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
         } catch (...) {
           helper.err = std::current_exception();
         }
-        helper.done.store(true, std::memory_order_release);
-        uint64_t one = 1;
+        uint64_t one = 1;  // wakes the main loop's poll(); join() orders what the helper wrote
         (void)!::write(helper.evfd, &one, sizeof(one));
       });
     }
