@@ -6,7 +6,8 @@ topology ring vs two-level vs gloo, allreduce 1-64 MiB and a DDP step, side by s
     sudo python3 benchmarks/topology.py --ranks-per-host 1 --sizes 1M,4M --markdown --json /tmp/t.json
 
 Set-up (defaults): 2 racks x 2 hosts (network namespaces) x 2 ranks; each rack is a bridge,
-its uplink to the core bridge a veth pair shaped with tc tbf at --rate in both directions, plus
+its uplink to the core bridge a veth pair shaped with tc tbf at --rate in both directions (queue
+--queue, 5 ms: a shallow switch-port buffer, see netns.py), plus
 --delay one way across racks (netem where the kernel has sch_netem, else netns.py's NFQUEUE delay
 line, delayq.py; the header says which, and the cross-rack ping RTT measured at set-up);
 intra-rack traffic is unlimited. Ranks are placed round-robin across racks (rank r on rack r % 2,
@@ -304,6 +305,7 @@ def main() -> int:
     ap.add_argument("--rate", default="200mbit", help="rack uplink rate, each direction (tc tbf)")
     ap.add_argument("--delay", default="1ms", help="one-way cross-rack latency (netem, else an "
                     "NFQUEUE delay line; '' for none)")
+    ap.add_argument("--queue", default="5ms", help="uplink queue, as tc tbf latency (tests/cluster/netns.py)")
     ap.add_argument("--sizes", default="1M,4M,16M,64M")
     ap.add_argument("--reps", default="auto", help="repetitions per size: auto (3 below 16 MiB, 2 at "
                     "16 MiB, 1 above) or a number")
@@ -339,7 +341,7 @@ def main() -> int:
         reps = {str(s): int(a.reps) for s in sizes}
     t_start = time.monotonic()
     load0 = os.getloadavg()
-    with netns.Cluster(a.racks, a.hosts_per_rack, a.rate or None, a.delay or None) as c:
+    with netns.Cluster(a.racks, a.hosts_per_rack, a.rate or None, a.delay or None, queue_latency=a.queue) as c:
         hosts = netns.placement(c, a.ranks_per_host, a.placement)
         ws = len(hosts)
         cross = next((r for r in range(1, ws) if hosts[r].rack != hosts[0].rack), None)
