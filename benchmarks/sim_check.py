@@ -128,8 +128,11 @@ def analyse(rows, cores, sim) -> dict:
     test = [r for r in rows if (r[0], int(r[1])) in set(OUT)]
     if len(cal) < 2:
         raise SystemExit(f"need >= 2 WS=2 rows between 1 and 16 MiB, got {len(cal)}")
-    alpha, beta = sim.fit(cal, cores)
-    pa, pb = sim.fit(cal)  # the plain alpha-beta model, fitted on the same rows (the same fit when cores >= 2)
+    try:
+        alpha, beta = sim.fit(cal, cores)
+        pa, pb = sim.fit(cal)  # the plain alpha-beta model, fitted on the same rows (the same fit when cores >= 2)
+    except ValueError as e:
+        raise SystemExit(f"sim_check: {e}") from None
 
     def row(n, S, t, busy, kind):
         plain = sim.predict(pa, pb, n, S)
@@ -170,7 +173,10 @@ def loopback(a, sim) -> dict:
     cores = a.cores or None
     by_stat = {}
     if a.input:
-        rows = [(n, b, t, None) for n, b, t in sim.load_measurements(a.input)]
+        try:
+            rows = [(n, b, t, None) for n, b, t in sim.load_measurements(a.input)]
+        except ValueError as e:
+            raise SystemExit(f"sim_check: --input: {e}") from None
         by_stat[a.stat] = analyse(rows, cores, sim)
     else:
         m = measure(POINTS, a.iters, not a.cold, a.pin)
@@ -336,15 +342,16 @@ def main() -> int:
     ap.add_argument("--cores", type=int, default=None,
                     help="cores the ranks share (default: len(--pin), else the CPUs this process may use, "
                          "os.cpu_count() when unrestricted); 0: a core per rank (plain alpha-beta)")
-    ap.add_argument("--save", help="write the loopback measurements here (benchmarks/allreduce.py row format)")
+    ap.add_argument("--save", help="write the loopback measurements here (flat rows {backend, ws, bytes, time_us, "
+                    "cores_busy}; --input and python -m xirang.sim --calibrate read them)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--cluster-input", help="benchmarks/topology.py --json output for part 3")
     g.add_argument("--cluster-run", action="store_true", help="run benchmarks/topology.py for part 3 (root)")
     ap.add_argument("--cluster-save", help="with --cluster-run: keep topology.py's JSON here")
     ap.add_argument("--cluster-sizes", default="1M,4M,16M,64M")
     ap.add_argument("--cluster-reps", type=int, default=3,
-                    help="repetitions per size of the cluster run (median; single 64 MiB runs of the topology "
-                         "ring moved by 50%% between repetitions)")
+                    help="repetitions per size of the cluster run (the median is compared; single runs move "
+                         "with the machine's load)")
     ap.add_argument("--cluster-timeout", type=float, default=1200)
     ap.add_argument("--tie", type=float, default=0.10, help="predicted times within this fraction are a tie")
     ap.add_argument("--json", action="store_true")

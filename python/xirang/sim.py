@@ -49,6 +49,11 @@ GB = 1e9
 OPTS = ("overlap", "bucketing", "topo", "two_level", "bf16")
 ALL = "+".join(OPTS)
 
+class SettingsError(ValueError):
+    """Settings that do not fit together (GPUs vs tp x pp, whole hosts, layers vs pp); the CLI prints it
+    as a one-line usage error."""
+
+
 # ----------------------------------------------------------------------------------- inputs
 PRESETS = {  # GPT-3 shapes (Brown et al. 2020, table 2.1): layers, hidden; vocab 50257, context 2048
     "gpt3-175b": (96, 12288), "gpt3-13b": (40, 5140), "gpt3-6.7b": (32, 4096),
@@ -69,6 +74,8 @@ class Model:
     def from_args(a) -> "Model":
         if a.params:  # generic GPT-shaped model: 12 h^2 params per layer
             h = int(round(math.sqrt(a.params / (12 * a.layers))))
+            if h < 1:
+                raise SettingsError(f"--params {a.params:g} is too few for {a.layers} layers of 12 h^2 parameters")
             return Model(layers=a.layers, hidden=h, extra_params=0.0, tp=a.tp, pp=a.pp)
         L, h = PRESETS[a.model]
         return Model(layers=L, hidden=h, extra_params=(50257 + 2048) * h, tp=a.tp, pp=a.pp)
@@ -269,7 +276,11 @@ class Config:
 class Sim:
     def __init__(self, model: Model, cl: Cluster, comp: Compute):
         if cl.gpus % (model.tp * model.pp):
-            raise ValueError(f"gpus ({cl.gpus}) must be a multiple of tp x pp ({model.tp} x {model.pp})")
+            raise SettingsError(f"gpus ({cl.gpus}) must be a multiple of tp x pp ({model.tp} x {model.pp})")
+        if cl.gpus > cl.gpus_per_host and cl.gpus % cl.gpus_per_host:
+            raise SettingsError(f"gpus ({cl.gpus}) must fill whole hosts of {cl.gpus_per_host} GPUs")
+        if model.layers % model.pp:
+            raise SettingsError(f"layers ({model.layers}) must be a multiple of pp ({model.pp}): equal pipeline stages")
         self.m, self.cl, self.comp = model, cl, comp
         self.dp = cl.gpus // (model.tp * model.pp)
         slot = cl.slot_of_rank()
@@ -371,10 +382,11 @@ class Sim:
                     total += t
                     xbytes += xb
                     launches += 1
-        exposed = max(0.0, free - c.bwd_s)
+        exposed = min(max(0.0, free - c.bwd_s), total)  # min: float rounding only
         step = compute + exposed
         whole, _ = self.allreduce(int(self.m.shard_params()), cfg) if self.dp > 1 else (0.0, 0.0)
         return {"config": cfg.label(), "gpus": cl.gpus, "dp": self.dp, "launches": launches,
+                "two_level_applied": bool(cfg.two_level and self.two_level_plan(cfg.topo)),
                 "allreduce_s": whole, "total_comm_s": total, "exposed_comm_s": exposed, "compute_s": compute,
                 "step_s": step, "steps_per_s": 1 / step,
                 "tokens_per_s": c.tokens_global / step if c.tokens_global else None,
@@ -425,6 +437,32 @@ def add_args(p: argparse.ArgumentParser):
     g.add_argument("--bucket-mb", type=float, default=0.0)
 
 
+# (flag, lowest value, whether the lowest value itself is allowed); every value must be finite
+_LIMITS = [("params", 0, True), ("layers", 1, True), ("tp", 1, True), ("pp", 1, True),
+           ("bwd_layer_ms", 0, False), ("fwd_ms", 0, True), ("gpu_tflops", 0, False), ("mfu", 0, False),
+           ("tokens_per_gpu", 0, False), ("opt_ms", 0, True), ("microbatches", 1, True),
+           ("gpus", 1, True), ("gpus_per_host", 1, True), ("hosts_per_rack", 1, True),
+           ("host_gbyteps", 0, False), ("host_alpha_us", 0, True), ("rack_gbitps", 0, False),
+           ("rack_alpha_us", 0, True), ("xrack_gbitps", 0, False), ("xrack_alpha_us", 0, True),
+           ("oversub", 0, False), ("launch_us", 0, True), ("codec_gbyteps", 0, False), ("cpu_gbyteps", 0, True),
+           ("cores_per_host", 0, True), ("group", 1, True), ("bucket_mb", 0, True), ("cores", 0, True)]
+
+
+def check_args(a) -> Optional[str]:
+    """The first argument out of range as a one-line message ("--gpus must be >= 1, got 0"), or None.
+    Counts are >= 1, rates and sizes > 0, latencies and overheads >= 0, --mfu in (0, 1], all finite."""
+    for name, low, inclusive in _LIMITS:
+        v = getattr(a, name, None)
+        if v is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if not math.isfinite(v) or v < low or (v == low and not inclusive):
+            return f"{flag} must be {'>=' if inclusive else '>'} {low}, got {v:g}"
+    if a.mfu > 1:
+        return f"--mfu is a fraction of peak, in (0, 1], got {a.mfu:g}"
+    return None
+
+
 def build(a, gpus: Optional[int] = None):
     m = Model.from_args(a)
     cl = Cluster(gpus or a.gpus, a.gpus_per_host, a.hosts_per_rack, a.host_gbyteps, a.host_alpha_us, a.rack_gbitps,
@@ -467,6 +505,10 @@ def paper(a) -> dict:
     a.model, a.params = "gpt3-175b", 0
     a.bwd_layer_ms, a.fwd_ms = 1.2 / 96 * 1e3, 600.0  # 3.2 s step - 1.4 s exposed comm = 1.8 s compute, bwd = 2 fwd
     readings = {"literal": (1, 1), "sharded": (a.tp if a.tp > 1 else 8, a.pp if a.pp > 1 else 4)}
+    tp_s, pp_s = readings["sharded"]
+    if 128 % (tp_s * pp_s) or 128 // (tp_s * pp_s) < 2 or P["layers"] % pp_s:
+        raise SettingsError(f"--paper: tp x pp = {tp_s} x {pp_s} must divide 64 (so 128 GPUs give data parallelism "
+                            f">= 2) and pp must divide the model's {P['layers']} layers")
     none, ovl = Config(), Config(overlap=True, group=P["group_layers"])
     ovb = Config(overlap=True, bucketing=True, group=P["group_layers"])
     res: dict = {}
@@ -559,24 +601,33 @@ def paper(a) -> dict:
         ("rank failure", "~15 s total, <0.5% of training", both(lambda k: None),
          f"15 s < 0.5% needs >= {15 / 0.005:.0f} s ({15 / 0.005 / 60:.0f} min) of training per failure; not simulated", False),
     ]
-    out_rows = [{"claim": c, "published": pub, **{f"sim_{k}": v for k, v in simv.items()}, "check": chk,
-                 "inconsistent": bad} for c, pub, simv, chk, bad in rows]
+    unit = {"allreduce, 8 GPUs in one rack": "s", "allreduce, 128 GPUs across racks": "s", "ratio 128 vs 8": "x",
+            "total comm with overlap": "%", "bucketing + ring, 128 GPUs": "%", "topology-aware ring": "%",
+            "BF16 + error feedback": "%", "all combined, 128 GPUs: throughput": "%",
+            "all combined, 64 GPUs: throughput": "%"}
+    out_rows = [{"claim": c, "published": pub, **{f"sim_{k}": v for k, v in simv.items()}, "unit": unit.get(c),
+                 "check": chk, "inconsistent": bad} for c, pub, simv, chk, bad in rows]
     assumed = {
         "compute": "fwd 0.6 s + bwd 1.2 s (= published 3.2 s step - 1.4 s comm, backward = 2 x forward), "
                    "12.5 ms per layer, no optimiser time",
         "literal reading": "tp=1, pp=1: every GPU syncs the full 175B fp32 gradient (what 700 GB / 24 x 30 GB say); "
                            "needs 700 GB of gradients per GPU, which no GPU holds",
-        "sharded reading": f"tp={readings['sharded'][0]} (in host), pp={readings['sharded'][1]}: a GPU syncs "
+        "sharded reading": f"tp={tp_s} (in host), pp={pp_s}: a GPU syncs "
                            f"{res['sharded'][128]['settings']['shard_params'] / 1e9:.2f}B params (stage 0 incl. embeddings); "
-                           f"DP = 2 at 64, 4 at 128 GPUs; 8 GPUs cannot hold the model",
-        "cluster": "8 GPUs/host, 4 hosts/rack (32 GPUs/rack; 128 GPUs = 4 racks), one 100 Gbit/s NIC per GPU (the "
-                   "published link speed), NVLink-class 200 GB/s/GPU in host, cross-rack 4:1 oversubscribed uplinks",
-        "latencies": "alpha 5 us in host, 10 us in rack, 20 us across racks; 20 us per launch; BF16 codec 1000 GB/s of fp32 per GPU, pipelined with the wire",
-        "placement": "hosts handed out in random order (seed 0) by the scheduler; 'topo' sorts the ring by (rack, host)",
+                           + ", ".join(f"DP = {g // (tp_s * pp_s)} at {g}" for g in P["gpus"] if res["sharded"][g])
+                           + "".join(f"; {g} GPUs cannot hold the model" for g in P["gpus"] if not res["sharded"][g]),
+        "cluster": f"{a.gpus_per_host} GPUs/host, {a.hosts_per_rack} hosts/rack ({a.gpus_per_host * a.hosts_per_rack} "
+                   f"GPUs/rack), a {a.rack_gbitps:g} Gbit/s NIC per GPU in the rack (published link: "
+                   f"{P['link_Gbps']:g} Gbit/s), {a.host_gbyteps:g} GB/s/GPU in host, cross-rack {a.xrack_gbitps:g} "
+                   f"Gbit/s per GPU at full bisection with {a.oversub:g}:1 oversubscribed uplinks",
+        "latencies": f"alpha {a.host_alpha_us:g} us in host, {a.rack_alpha_us:g} us in rack, {a.xrack_alpha_us:g} us "
+                     f"across racks; {a.launch_us:g} us per launch; BF16 codec {a.codec_gbyteps:g} GB/s of fp32 per "
+                     "GPU, pipelined with the wire",
+        "placement": f"hosts handed out {a.placement} (seed {a.seed}) by the scheduler; 'topo' sorts the ring by (rack, host)",
         "baseline": "no overlap, one collective per tensor (12 per layer + embeddings), rank-order flat ring, fp32",
         "optimisations": "overlap = groups of 8 layers; bucketing = one buffer per group (per step without overlap); "
                          "two-level = reduce-scatter in host (or rack when one DP member per host), allreduce across",
-        "8-GPU case": "one host (8 GPUs share a host at 8 GPUs/host); the published '8 GPUs in one rack'",
+        "8-GPU case": f"{-(-8 // a.gpus_per_host)} host(s) of {a.gpus_per_host} GPUs; the published '8 GPUs in one rack'",
     }
     return {"rows": out_rows, "assumed": assumed,
             "runs": {k: {str(g): (None if v is None else v["runs"]) for g, v in r.items()} for k, r in res.items()},
@@ -587,7 +638,11 @@ def print_paper(d: dict):
     print("Published 175B / 128-GPU report vs simulation (literal: tp=pp=1; sharded: see assumptions)\n")
     for r in d["rows"]:
         def f(v):
-            return "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
+            if v is None:
+                return "-"
+            if not isinstance(v, float):
+                return str(v)
+            return {"%": f"{v:+.1f}%", "x": f"{v:.2f}x", "s": f"{v:.3g} s"}.get(r["unit"], f"{v:.3g}")
         flag = "INCONSISTENT" if r["inconsistent"] else "ok"
         print(f"[{flag}] {r['claim']}\n    published: {r['published']}\n    simulated literal: {f(r['sim_literal'])}"
               f" | sharded: {f(r['sim_sharded'])}\n    check: {r['check']}")
@@ -635,7 +690,11 @@ def recommend(a) -> dict:
         row["verdict"] = ("confirm" if runs[pub]["step_s"] <= runs[best]["step_s"] * 1.02
                           else f"correct: +{100 * (runs[pub]['step_s'] / runs[best]['step_s'] - 1):.0f}% slower than best")
         out.append(row)
-    return {"settings": settings(build(a, max(a.tp * a.pp * 2, 8))), "rows": out,
+    ok = [r["gpus"] for r in out if "skip" not in r]
+    if not ok:
+        raise SettingsError(f"--recommend: no scale in {scales[0]}..{scales[-1]} GPUs fits (tp x pp = {a.tp} x {a.pp}, "
+                            f"{a.gpus_per_host} GPUs per host) with data parallelism >= 2: " + out[-1]["skip"])
+    return {"settings": settings(build(a, ok[0])), "rows": out,
             "rule": "an optimisation 'pays' if removing it from the all-on set slows the step by > 1%; "
                     "'confirm' if the published set is within 2% of the best of all 32 subsets"}
 
@@ -662,37 +721,56 @@ def print_recommend(d: dict):
 
 # ----------------------------------------------------------------------------------- --calibrate
 def load_measurements(path: str, backend: str = "xirang") -> list:
-    """Rows (ws, bytes, seconds) from benchmarks/allreduce.py JSON.
+    """Rows (ws, bytes, seconds) of `backend`'s allreduce from a JSON file.
 
-    Accepted: a list of row dicts, or a dict holding one under "rows"/"results"/"data"/"measurements".
-    A row needs a world size ("ws"/"world_size"/"n"), a message size ("bytes"/"size_bytes"/"nbytes"/
-    "size"; or "numel" x "elem_bytes" (4)) and a time: "time_us"/"median_us"/"us" (microseconds),
+    Accepted: benchmarks/allreduce.py --json output ({"rows": [{"ws", "bytes", ..., "xirang": {"time_us"},
+    "gloo": {"time_us"}}]}: the time under the backend's name), or a list of flat row dicts, or a dict
+    holding one under "rows"/"results"/"data"/"measurements". A row needs a world size ("ws"/
+    "world_size"/"n"), a message size ("bytes"/"size_bytes"/"nbytes"/"size"; or "numel" x "elem_bytes"
+    (4)) and a time, flat or under the backend's name: "time_us"/"median_us"/"us" (microseconds),
     "time_ms"/"median_ms", or "time_s"/"median_s"/"seconds". Rows whose "backend" is given and differs
-    from `backend`, whose "op"/"collective" is not an allreduce, or with missing fields are skipped.
-    """
-    with open(path) as f:
-        d = json.load(f)
+    from `backend`, whose "op"/"collective" is not an allreduce, with a world size below 2, or with a
+    missing, non-numeric, non-finite or non-positive size or time are skipped.
+    Raises ValueError (one line, naming the file) when the file cannot be read as JSON."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path} as JSON: {e}") from None
     if isinstance(d, dict):
         d = next((d[k] for k in ("rows", "results", "data", "measurements") if isinstance(d.get(k), list)), [d])
+    if not isinstance(d, list):
+        return []
+
+    def number(x) -> Optional[float]:
+        try:
+            v = float(x)
+        except (TypeError, ValueError):
+            return None
+        return v if math.isfinite(v) and v > 0 else None
+
     out = []
     for r in d:
         if not isinstance(r, dict) or r.get("backend", backend) != backend:
             continue
         if "allreduce" not in str(r.get("op", r.get("collective", "allreduce"))):
             continue
-        ws = next((r[k] for k in ("ws", "world_size", "n") if k in r), None)
-        nb = next((r[k] for k in ("bytes", "size_bytes", "nbytes", "size") if k in r), None)
+        ws = number(next((r[k] for k in ("ws", "world_size", "n") if k in r), None))
+        nb = number(next((r[k] for k in ("bytes", "size_bytes", "nbytes", "size") if k in r), None))
         if nb is None and "numel" in r:
-            nb = r["numel"] * r.get("elem_bytes", 4)
+            numel, esize = number(r["numel"]), number(r.get("elem_bytes", 4))
+            nb = numel * esize if numel and esize else None
+        src = r[backend] if isinstance(r.get(backend), dict) else r
         t = None
         for keys, scale in ((("time_us", "median_us", "us"), 1e-6), (("time_ms", "median_ms"), 1e-3),
                             (("time_s", "median_s", "seconds"), 1.0)):
-            k = next((k for k in keys if k in r), None)
+            k = next((k for k in keys if k in src), None)
             if k is not None:
-                t = float(r[k]) * scale
+                t = number(src[k])
+                t = t * scale if t else None
                 break
-        if ws and nb and t and int(ws) > 1:
-            out.append((int(ws), float(nb), t))
+        if ws and nb and t and ws >= 2 and ws == int(ws):
+            out.append((int(ws), nb, t))
     return out
 
 
@@ -715,7 +793,13 @@ def fit(rows: list, cores: Optional[int] = None):
     y = np.array([t for _, _, t in rows])
     w = 1 / y  # relative error: small messages matter as much as big ones
     (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
-    return max(float(alpha), 0.0), float(beta)
+    if alpha < 0:  # a negative latency is meaningless: fit beta alone with alpha = 0
+        alpha = 0.0
+        beta = float(np.dot(A[:, 1] * w, y * w) / np.dot(A[:, 1] * w, A[:, 1] * w))
+    if not (math.isfinite(alpha) and math.isfinite(beta)) or beta <= 0:
+        raise ValueError(f"the fit gives beta = {beta:.3g} s/B: the times do not grow with the message size "
+                         "(measure a range of sizes, e.g. 64 KiB to 16 MiB)")
+    return float(alpha), float(beta)
 
 
 def predict(alpha: float, beta: float, n: int, S: float, cores: Optional[int] = None) -> float:
@@ -734,10 +818,18 @@ def loopback_cluster(n: int, alpha: float, beta: float, cores: Optional[int] = N
 
 
 def calibrate(path: str, backend: str = "xirang", cores: Optional[int] = None) -> dict:
-    rows = load_measurements(path, backend)
-    if len(rows) < 2:
-        raise SystemExit(f"--calibrate: need >= 2 usable {backend} allreduce rows in {path}, found {len(rows)}")
-    alpha, beta = fit(rows, cores)
+    """Fit (alpha, beta) to `backend`'s allreduce rows in `path` (load_measurements) and predict this
+    machine's allreduce at WS 2, 4, 8 and 1 MiB-256 MiB. Raises SettingsError (one line) when the file
+    cannot be read, holds fewer than 2 usable rows or the fit is not physical (beta <= 0)."""
+    try:
+        rows = load_measurements(path, backend)
+        if len(rows) < 2:
+            raise ValueError(f"need >= 2 usable {backend} allreduce rows in {path}, found {len(rows)}")
+        alpha, beta = fit(rows, cores)
+    except SettingsError:
+        raise
+    except ValueError as e:
+        raise SettingsError(f"--calibrate: {e}") from None
     pred = [{"ws": n, "bytes": S, "measured_s": t, "predicted_s": predict(alpha, beta, n, S, cores),
              "error_pct": 100 * (predict(alpha, beta, n, S, cores) / t - 1)} for n, S, t in rows]
     extra = [{"ws": n, "bytes": float(S), "predicted_s": predict(alpha, beta, n, S, cores)}
@@ -761,6 +853,16 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     add_args(p)
     a = p.parse_args(argv)
+    bad = check_args(a)
+    if bad:
+        p.error(bad)
+    try:
+        return run_mode(a)
+    except SettingsError as e:
+        p.error(str(e))
+
+
+def run_mode(a) -> int:
     if a.paper:
         d = paper(a)
         print(json.dumps(d, indent=1)) if a.json else print_paper(d)
@@ -774,7 +876,7 @@ def main(argv=None) -> int:
         else:
             bw = d["bandwidth_GBps"]
             print(f"alpha = {d['alpha_us']:.1f} us per ring step, beta = {d['beta_s_per_byte']:.3e} s/B "
-                  f"({bw:.2f} GB/s), ranks share {d['cores'] or 'one core each (no sharing)'} cores" if bw else "")
+                  f"({bw:.2f} GB/s), ranks share {d['cores'] or 'one core each (no sharing)'} cores")
             print(table(d["rows"], ["ws", "bytes", "measured_s", "predicted_s", "error_pct"]))
             print("\npredicted for this machine:")
             print(table(d["predictions"], ["ws", "bytes", "predicted_s"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 import subprocess
 import sys
 
@@ -288,3 +289,97 @@ def test_calibrate_cli_cores(capsys, tmp_path):
     assert all(abs(r["error_pct"]) < 1e-6 for r in d["rows"])
     plain = json.loads(run_main(capsys, "--calibrate", str(f), "--cores", "0", "--json"))
     assert plain["cores"] is None and max(abs(r["error_pct"]) for r in plain["rows"]) > 1
+
+
+# ----------------------------------------------------------------------------------- inputs and files (#9)
+def test_calibrate_reads_allreduce_benchmark_output(tmp_path):
+    """--calibrate on what benchmarks/allreduce.py --json really writes (the time under the backend's
+    name): every row read back equals the file's own numbers, for xirang and for gloo."""
+    out = tmp_path / "ar.json"
+    bench = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "allreduce.py"
+    p = subprocess.run([sys.executable, str(bench), "--ws", "2", "--sizes", "1M-4M", "--reps", "3", "--warmup", "1",
+                        "--iters", "2", "--no-ceiling", "--json", str(out)], capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    raw = json.loads(out.read_text())["rows"]
+    assert len(raw) >= 2
+    for backend in ("xirang", "gloo"):
+        d = sim.calibrate(str(out), backend, cores=2)
+        got = {(r["ws"], r["bytes"]): r["measured_s"] for r in d["rows"]}
+        want = {(r["ws"], float(r["bytes"])): r[backend]["time_us"] * 1e-6 for r in raw}
+        assert got == pytest.approx(want, rel=1e-12)
+        assert d["alpha_us"] >= 0 and d["beta_s_per_byte"] > 0
+
+
+BAD_ARGS = [
+    (["--gpus", "0"], "--gpus"), (["--gpus", "-8"], "--gpus"), (["--tp", "0"], "--tp"), (["--pp", "-1"], "--pp"),
+    (["--layers", "0"], "--layers"), (["--params=-1e9"], "--params"), (["--params", "1"], "--params"),
+    (["--overlap", "--group", "0"], "--group"), (["--launch-us=-1"], "--launch-us"), (["--mfu", "0"], "--mfu"),
+    (["--mfu", "1.5"], "--mfu"), (["--bwd-layer-ms", "0"], "--bwd-layer-ms"), (["--opt-ms=-5"], "--opt-ms"),
+    (["--xrack-gbitps", "0"], "--xrack-gbitps"), (["--xrack-gbitps", "nan"], "--xrack-gbitps"),
+    (["--oversub=-4"], "--oversub"), (["--host-gbyteps", "inf"], "--host-gbyteps"),
+    (["--microbatches", "0"], "--microbatches"), (["--tokens-per-gpu", "0"], "--tokens-per-gpu"),
+    (["--gpus", "16", "--tp", "3"], "tp x pp"), (["--gpus", "12"], "whole hosts"),
+    (["--gpus", "80", "--pp", "5"], "pp (5)"), (["--model", "gpt3-1.3b", "--gpus", "256", "--pp", "128"], "pp (128)"),
+    (["--paper", "--tp", "3"], "--paper"), (["--paper", "--tp", "64"], "--paper"),
+    (["--recommend", "--tp", "3"], "--recommend"),
+]
+
+
+@pytest.mark.parametrize("argv,names", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_settings_are_one_line_usage_errors(capsys, argv, names):
+    with pytest.raises(SystemExit) as e:
+        sim.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("python -m xirang.sim: error:") and names in last, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("content,why", [
+    (None, "cannot read"), ("{not json", "cannot read"), ("42", "found 0"), ("[]", "found 0"),
+    (json.dumps([{"ws": 2, "bytes": 2**20, "time_us": "abc"}, {"ws": 2, "bytes": 2**22, "time_us": float("nan")}]),
+     "found 0"),
+    (json.dumps([{"ws": 2, "bytes": b, "time_us": t} for b, t in ((4096, 50.0), (16384, 48.0), (65536, 47.0))]),
+     "beta"),
+])
+def test_calibrate_bad_files_are_one_line_errors(capsys, tmp_path, content, why):
+    f = tmp_path / "m.json"
+    if content is not None:
+        f.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        sim.main(["--calibrate", str(f)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and why in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_fit_never_returns_negative_alpha():
+    """Times below the bandwidth line (a negative intercept): alpha is pinned to 0 and beta is the
+    weighted least-squares slope through the origin, sum(w^2 x y) / sum(w^2 x^2), w = 1/y."""
+    beta = 1e-9
+    rows = [(2, S, beta * S - 20e-6) for S in (2**20, 2**22, 2**24)]
+    alpha, b = sim.fit(rows)
+    xs, ys = [S for _, S, _ in rows], [t for _, _, t in rows]
+    want = sum(x * y / y**2 for x, y in zip(xs, ys)) / sum(x * x / y**2 for x, y in zip(xs, ys))
+    assert alpha == 0.0 and b == pytest.approx(want, rel=1e-9)
+
+
+def test_two_level_reported_only_where_it_applies(capsys):
+    one_per_host = json.loads(run_main(capsys, "--json", "--gpus", "16", "--gpus-per-host", "1",
+                                       "--hosts-per-rack", "1", "--two-level"))["result"]
+    plain = json.loads(run_main(capsys, "--json", "--gpus", "16", "--gpus-per-host", "1", "--hosts-per-rack", "1"))
+    assert one_per_host["two_level_applied"] is False
+    assert one_per_host["step_s"] == plain["result"]["step_s"]
+    assert json.loads(run_main(capsys, "--json", "--gpus", "16", "--two-level"))["result"]["two_level_applied"] is True
+
+
+def test_paper_assumptions_follow_the_flags(capsys):
+    argv = ["--paper", "--rack-gbitps", "400", "--oversub", "1", "--launch-us", "100", "--tp", "2", "--pp", "2"]
+    d = json.loads(run_main(capsys, "--json", *argv))
+    assert "400 Gbit/s" in d["assumed"]["cluster"] and "1:1" in d["assumed"]["cluster"]
+    assert "100 us per launch" in d["assumed"]["latencies"]
+    assert "DP = 16 at 64, DP = 32 at 128" in d["assumed"]["sharded reading"]
+    assert "DP = 2 at 8" in d["assumed"]["sharded reading"]
+    text = run_main(capsys, *argv)
+    thr = next(r for r in d["rows"] if r["claim"] == "all combined, 128 GPUs: throughput")
+    assert thr["unit"] == "%" and f"{thr['sim_literal']:+.1f}%" in text
