@@ -514,12 +514,19 @@ def paper(a) -> dict:
     res: dict = {}
     for name, (tp, pp) in readings.items():
         a.tp, a.pp = tp, pp
+        # a pipeline of pp stages, one micro-batch: the modelled stage (0, with the embeddings) waits for the
+        # whole forward and the later stages' backward before its own 1.2/pp s of backward; the step's
+        # compute stays the published 1.8 s
+        a.fwd_ms = 600.0 + 1200.0 * (pp - 1) / pp
         r = {}
         for g in P["gpus"]:
             if g % (tp * pp) or g // (tp * pp) < 2:
                 r[g] = None
                 continue
-            s = build(a, g)
+            try:
+                s = build(a, g)
+            except SettingsError as e:
+                raise SettingsError(f"--paper, {g} GPUs: {e}") from None
             runs = {c.label(): s.run(c) for c in [none, ovl, Config(bucketing=True), Config(topo=True), ovb,
                                                    Config(bf16=True), Config.of(OPTS, group=P["group_layers"])]}
             r[g] = {"runs": runs, "settings": settings(s)}
@@ -530,8 +537,8 @@ def paper(a) -> dict:
         x = res[reading].get(g)
         return None if x is None else x["runs"][cfg][key]
 
-    def pct(x, y):
-        return None if x is None or y is None else 100 * (y / x - 1)
+    def pct(x, y):  # None where there is no baseline (e.g. no cross-rack traffic to cut)
+        return None if x is None or y is None or x == 0 else 100 * (y / x - 1)
 
     def both(fn):
         return {k: fn(k) for k in readings}
@@ -593,7 +600,7 @@ def paper(a) -> dict:
          both(lambda k: pct(1 / sim(k, 128, "none", "step_s"), 1 / sim(k, 128, ALL, "step_s"))
               if res[k][128] else None),
          f"3.2 / 2.6 = {3.2 / 2.6:.3f}: throughput +{100 * (3.2 / 2.6 - 1):.0f}%, not +18% "
-         f"(18.75% is the step-time cut, {100 * (1 - 2.6 / 3.2):.2f}%)", True),
+         f"(the step-time cut is {100 * (1 - 2.6 / 3.2):.2f}%)", True),
         ("all combined, 64 GPUs: throughput", "+12%",
          both(lambda k: pct(1 / sim(k, 64, "none", "step_s"), 1 / sim(k, 64, ALL, "step_s"))
               if res[k][64] else None),
@@ -608,11 +615,18 @@ def paper(a) -> dict:
     out_rows = [{"claim": c, "published": pub, **{f"sim_{k}": v for k, v in simv.items()}, "unit": unit.get(c),
                  "check": chk, "inconsistent": bad} for c, pub, simv, chk, bad in rows]
     assumed = {
-        "compute": "fwd 0.6 s + bwd 1.2 s (= published 3.2 s step - 1.4 s comm, backward = 2 x forward), "
-                   "12.5 ms per layer, no optimiser time",
+        "compute": "fwd 0.6 s + bwd 1.2 s for the whole model (= published 3.2 s step - 1.4 s comm, backward = "
+                   "2 x forward), 12.5 ms per layer; per GPU: " + "; ".join(
+                       f"{k} {c['fwd_s']:.3g} s before its own backward (forward"
+                       + (" + the later pipeline stages' backward" if readings[k][1] > 1 else "")
+                       + f") + bwd {c['bwd_s']:.3g} s + optimiser {c['opt_s']:.3g} s, {c['microbatches']} microbatch(es)"
+                       for k, c in ((k, res[k][128]["settings"]["compute"]) for k in readings)),
+        "fixed by --paper": "model gpt3-175b, 8 / 64 / 128 GPUs, groups of 8 layers, one buffer per group, compute "
+                            "from the published step (--model, --params, --gpus, --group, --bucket-mb, --bwd-layer-ms, "
+                            "--fwd-ms, --gpu-tflops, --mfu and --tokens-per-gpu do not apply)",
         "literal reading": "tp=1, pp=1: every GPU syncs the full 175B fp32 gradient (what 700 GB / 24 x 30 GB say); "
                            "needs 700 GB of gradients per GPU, which no GPU holds",
-        "sharded reading": f"tp={tp_s} (in host), pp={pp_s}: a GPU syncs "
+        "sharded reading": f"tp={tp_s} ({'in host' if tp_s <= a.gpus_per_host else 'across hosts'}), pp={pp_s}: a GPU syncs "
                            f"{res['sharded'][128]['settings']['shard_params'] / 1e9:.2f}B params (stage 0 incl. embeddings); "
                            + ", ".join(f"DP = {g // (tp_s * pp_s)} at {g}" for g in P["gpus"] if res["sharded"][g])
                            + "".join(f"; {g} GPUs cannot hold the model" for g in P["gpus"] if not res["sharded"][g]),
@@ -729,25 +743,29 @@ def load_measurements(path: str, backend: str = "xirang") -> list:
     "world_size"/"n"), a message size ("bytes"/"size_bytes"/"nbytes"/"size"; or "numel" x "elem_bytes"
     (4)) and a time, flat or under the backend's name: "time_us"/"median_us"/"us" (microseconds),
     "time_ms"/"median_ms", or "time_s"/"median_s"/"seconds". Rows whose "backend" is given and differs
-    from `backend`, whose "op"/"collective" is not an allreduce, with a world size below 2, or with a
-    missing, non-numeric, non-finite or non-positive size or time are skipped.
+    from `backend`, whose "op"/"collective" is not an allreduce, that ran another algorithm than the ring
+    ("<backend>_rank0": {"algorithm"}, e.g. xirang's direct exchange below XIRANG_SMALL_BYTES), with a
+    world size below 2, or with a missing, non-numeric, non-positive or implausible size (> 2^50 B) or
+    time (< 1 ns, > 1 day) are skipped.
     Raises ValueError (one line, naming the file) when the file cannot be read as JSON."""
     try:
         with open(path) as f:
             d = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path} as JSON: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"cannot read {path} as JSON: {str(e)[:200]}") from None
     if isinstance(d, dict):
         d = next((d[k] for k in ("rows", "results", "data", "measurements") if isinstance(d.get(k), list)), [d])
     if not isinstance(d, list):
         return []
 
-    def number(x) -> Optional[float]:
+    def number(x, high: float) -> Optional[float]:
+        if isinstance(x, bool):
+            return None
         try:
             v = float(x)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return None
-        return v if math.isfinite(v) and v > 0 else None
+        return v if math.isfinite(v) and 0 < v <= high else None
 
     out = []
     for r in d:
@@ -755,19 +773,22 @@ def load_measurements(path: str, backend: str = "xirang") -> list:
             continue
         if "allreduce" not in str(r.get("op", r.get("collective", "allreduce"))):
             continue
-        ws = number(next((r[k] for k in ("ws", "world_size", "n") if k in r), None))
-        nb = number(next((r[k] for k in ("bytes", "size_bytes", "nbytes", "size") if k in r), None))
+        ws = number(next((r[k] for k in ("ws", "world_size", "n") if k in r), None), 2**20)
+        nb = number(next((r[k] for k in ("bytes", "size_bytes", "nbytes", "size") if k in r), None), 2.0**50)
         if nb is None and "numel" in r:
-            numel, esize = number(r["numel"]), number(r.get("elem_bytes", 4))
+            numel, esize = number(r["numel"], 2.0**50), number(r.get("elem_bytes", 4), 16)
             nb = numel * esize if numel and esize else None
+        algo = r.get(f"{backend}_rank0", {}).get("algorithm") if isinstance(r.get(f"{backend}_rank0"), dict) else None
+        if algo not in (None, "ring"):  # e.g. xirang's direct exchange of small messages: not the ring model
+            continue
         src = r[backend] if isinstance(r.get(backend), dict) else r
         t = None
         for keys, scale in ((("time_us", "median_us", "us"), 1e-6), (("time_ms", "median_ms"), 1e-3),
                             (("time_s", "median_s", "seconds"), 1.0)):
             k = next((k for k in keys if k in src), None)
             if k is not None:
-                t = number(src[k])
-                t = t * scale if t else None
+                t = number(src[k], 86400 / scale)
+                t = t * scale if t and t * scale >= 1e-9 else None
                 break
         if ws and nb and t and ws >= 2 and ws == int(ws):
             out.append((int(ws), nb, t))
@@ -786,17 +807,22 @@ def fit(rows: list, cores: Optional[int] = None):
     share(n) = max(1, n / cores) (cpu_share; cores None: 1): on loopback a ring step is CPU work from
     end to end (system calls, kernel copies, the reduction), and n ranks on fewer cores than ranks take
     turns on them. With a single world size the constant term cannot be split between per-step
-    latency and launch overhead; it is all put into alpha."""
+    latency and launch overhead; it is all put into alpha. A negative alpha is pinned to 0 (beta refitted
+    alone). Raises ValueError when fewer than two message sizes (or world sizes) make the two terms
+    inseparable, or when beta <= 0 or explains < 1% of every row's time."""
     import numpy as np
 
     A = np.array([[2 * (n - 1) * cpu_share(n, cores), 2 * (n - 1) / n * S * cpu_share(n, cores)] for n, S, _ in rows])
     y = np.array([t for _, _, t in rows])
+    if len(rows) < 2 or np.linalg.matrix_rank(A / np.abs(A).max(axis=0)) < 2:
+        raise ValueError("alpha and beta cannot be told apart: measure at least two message sizes")
     w = 1 / y  # relative error: small messages matter as much as big ones
     (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
     if alpha < 0:  # a negative latency is meaningless: fit beta alone with alpha = 0
         alpha = 0.0
         beta = float(np.dot(A[:, 1] * w, y * w) / np.dot(A[:, 1] * w, A[:, 1] * w))
-    if not (math.isfinite(alpha) and math.isfinite(beta)) or beta <= 0:
+    # the bandwidth term must explain a visible part (>= 1%) of some row's time
+    if not (math.isfinite(alpha) and math.isfinite(beta)) or beta <= 0 or float((A[:, 1] * beta / y).max()) < 0.01:
         raise ValueError(f"the fit gives beta = {beta:.3g} s/B: the times do not grow with the message size "
                          "(measure a range of sizes, e.g. 64 KiB to 16 MiB)")
     return float(alpha), float(beta)
@@ -860,23 +886,41 @@ def main(argv=None) -> int:
         return run_mode(a)
     except SettingsError as e:
         p.error(str(e))
+    except OverflowError as e:
+        p.error(f"the settings overflow the arithmetic ({e}): values this large are not physical")
+
+
+def check_finite(d, where: str = "result") -> None:
+    """Raise SettingsError naming the first inf/NaN number in d (nested dicts/lists): settings so
+    extreme (e.g. --oversub 1e308) that the arithmetic overflows give no meaningful answer."""
+    if isinstance(d, float) and not math.isfinite(d):
+        raise SettingsError(f"the settings overflow the arithmetic: {where} = {d}; values this large are not physical")
+    if isinstance(d, dict):
+        for k, v in d.items():
+            check_finite(v, f"{where}.{k}")
+    elif isinstance(d, (list, tuple)):
+        for i, v in enumerate(d):
+            check_finite(v, f"{where}[{i}]")
 
 
 def run_mode(a) -> int:
     if a.paper:
         d = paper(a)
+        check_finite(d["runs"], "runs")
         print(json.dumps(d, indent=1)) if a.json else print_paper(d)
     elif a.recommend:
         d = recommend(a)
+        check_finite(d["rows"], "rows")
         print(json.dumps(d, indent=1)) if a.json else print_recommend(d)
     elif a.calibrate:
         d = calibrate(a.calibrate, a.backend, a.cores or None)
+        check_finite(d)
         if a.json:
             print(json.dumps(d, indent=1))
         else:
             bw = d["bandwidth_GBps"]
             print(f"alpha = {d['alpha_us']:.1f} us per ring step, beta = {d['beta_s_per_byte']:.3e} s/B "
-                  f"({bw:.2f} GB/s), ranks share {d['cores'] or 'one core each (no sharing)'} cores")
+                  f"({bw:.2f} GB/s), " + (f"ranks share {d['cores']} cores" if d["cores"] else "a core per rank (no sharing)"))
             print(table(d["rows"], ["ws", "bytes", "measured_s", "predicted_s", "error_pct"]))
             print("\npredicted for this machine:")
             print(table(d["predictions"], ["ws", "bytes", "predicted_s"]))
@@ -884,15 +928,19 @@ def run_mode(a) -> int:
         s = build(a)
         cfg = Config.of([o for o in OPTS if getattr(a, o) or a.all], group=a.group, bucket_mb=a.bucket_mb)
         r = s.run(cfg)
+        check_finite(r)
         if a.json:
             print(json.dumps({"settings": settings(s), "result": r}, indent=1))
         else:
-            print(f"{s.m.params / 1e9:.1f}B params, tp={s.m.tp} pp={s.m.pp}, {s.cl.gpus} GPUs, dp={s.dp}, "
-                  f"{s.m.shard_params() / 1e9:.2f}B params synced per GPU")
+            synced = f"{s.m.shard_params() / 1e9:.2f}B params synced per GPU" if s.dp > 1 else "nothing to sync (dp = 1)"
+            print(f"{s.m.params / 1e9:.1f}B params, tp={s.m.tp} pp={s.m.pp}, {s.cl.gpus} GPUs, dp={s.dp}, {synced}")
             print(table([r], ["config", "launches", "allreduce_s", "total_comm_s", "exposed_comm_s", "compute_s",
                               "step_s", "tokens_per_s", "xrack_GB"]))
     return 0
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `... | head` ends quietly, as other CLI tools do
     sys.exit(main())
