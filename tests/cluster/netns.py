@@ -80,6 +80,7 @@ BASE = "xrc"  # every object this module creates starts with it (namespaces, lin
 IFNAME = "xeth0"  # the host's interface inside its namespace
 DELAYQ = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayq.py")  # NFQUEUE delay line
 NFQUEUE_NUM = 0  # netfilter queue of the delay line (queues are per namespace)
+UPLINK_QUEUE = "5ms"  # rack uplink queue, as tc tbf latency (see the module docstring)
 
 
 class ClusterUnavailable(RuntimeError):
@@ -317,7 +318,7 @@ class Cluster:
     _instances = 0
 
     def __init__(self, racks: int = 2, hosts_per_rack: int = 2, rate: Optional[str] = "200mbit",
-                 delay: Optional[str] = "1ms", burst: str = "128kb", queue_latency: str = "5ms",
+                 delay: Optional[str] = "1ms", burst: str = "128kb", queue_latency: str = UPLINK_QUEUE,
                  require_delay: bool = False, verbose: bool = False):
         if racks < 1 or hosts_per_rack < 1 or racks * hosts_per_rack > 200:
             raise ValueError("need 1..200 hosts in all")
@@ -865,7 +866,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--rate", default="200mbit", help="rack uplink rate (tc tbf), '' for none")
     ap.add_argument("--delay", default="1ms", help="one-way cross-rack latency (netem, else the NFQUEUE "
                     "delay line delayq.py), '' for none")
-    ap.add_argument("--queue", default="5ms", help="uplink queue, as tc tbf latency (the time a full queue "
+    ap.add_argument("--queue", default=UPLINK_QUEUE, help="uplink queue, as tc tbf latency (the time a full queue "
                     "takes to drain at --rate)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--probe", action="store_true")
