@@ -262,13 +262,22 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   transport::TcpOptions topts;
   topts.ifname = env::get("XIRANG_SOCKET_IFNAME");
   topts.handshake_timeout = std::chrono::milliseconds(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS"));
+  const std::string key_file = env::get("XIRANG_AUTH_KEY_FILE");
+  if (!key_file.empty()) {
+    try {
+      auth_key_ = transport::loadKeyFile(key_file);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "xirang rank ", rank, ": ", e.what());
+    }
+    topts.key = auth_key_;
+  }
   record_capacity_ = static_cast<size_t>(std::max<int64_t>(1, env::getInt("XIRANG_STATS_CAPACITY")));
   records_on_ = env::getBool("XIRANG_STATS");
   TORCH_CHECK(!cfg_.join || cfg_.elastic, "xirang rank ", rank,
               ": XIRANG_JOIN=1 (a spare taking a dead rank's place) needs elastic mode (XIRANG_ELASTIC=1)");
   try {
     if (!cfg_.join)  // a spare gets the transport of the epoch that admits it (joinGroup)
-      tcp_ = std::make_unique<transport::Tcp>(rank, size, store_, topts, Clock::now() + cfg_.timeout);
+      tcp_ = std::make_shared<transport::Tcp>(rank, size, store_, topts, Clock::now() + cfg_.timeout);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "xirang rank ", rank, ": creating group '", cfg_.group_name, "' failed: ", e.what());
   }
@@ -360,7 +369,10 @@ void ProcessGroupXirang::shutdown() {
   hb_cv_.notify_all();
   if (hb_thread_.joinable() && hb_thread_.get_id() != std::this_thread::get_id()) hb_thread_.join();
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
-  if (tcp_) tcp_->close();
+  if (tcp_) {
+    tcp_->leave();  // a peer still waiting for this rank's connection fails now, not at its timeout
+    tcp_->close();
+  }
   {
     std::lock_guard<std::mutex> g(stats_mu_);
     stats_stop_ = true;
@@ -572,32 +584,41 @@ void ProcessGroupXirang::runLoop() {
     op.rec.ok = error == nullptr;
     for (const auto& [peer, st] : ph.peers) {
       op.rec.peers.push_back({peer, st.send_s, st.recv_s, st.bytes_sent, st.bytes_recv});
-      if (peer < static_cast<int>(cfg_.hosts.size()) && cfg_.hosts[peer] != cfg_.hosts[rank_])
-        op.rec.bytes_cross_host += st.bytes_sent;
-      if (peer < static_cast<int>(cfg_.racks.size()) && cfg_.racks[peer] != cfg_.racks[rank_])
-        op.rec.bytes_cross_rack += st.bytes_sent;
+      addCrossBytes(op.rec, peer, st.bytes_sent);
     }
-    if (stats_file_) {
-      // The line carries the exposed wait known now: a caller already blocked has waited since
-      // it began (up to `end`, before the wake-up); one that has not begun yet is unknown.
-      op.rec.exposed_wait_s = op.rec.wait->seconds(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count());
-      {
-        std::lock_guard<std::mutex> g(stats_mu_);
-        stats_q_.push_back(op.rec);  // no wake-up: the writer comes by every 100 ms
-      }
-    }
-    {
-      std::lock_guard<std::mutex> g(rec_mu_);
-      records_.push_back(std::move(op.rec));
-      while (records_.size() > record_capacity_) records_.pop_front();
-    }
-    record_ns_.fetch_add(op.rec_ns + static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                         Clock::now() - end).count()),
-                         std::memory_order_relaxed);
-    records_built_.fetch_add(1, std::memory_order_relaxed);
+    keepRecord(std::move(op.rec), end, op.rec_ns);
     op.work->complete(error);
   }
+}
+
+void ProcessGroupXirang::addCrossBytes(OpRecord& rec, int peer, uint64_t bytes) const {
+  if (peer >= 0 && peer < static_cast<int>(cfg_.hosts.size()) && cfg_.hosts[peer] != cfg_.hosts[rank_])
+    rec.bytes_cross_host += bytes;
+  if (peer >= 0 && peer < static_cast<int>(cfg_.racks.size()) && cfg_.racks[peer] != cfg_.racks[rank_])
+    rec.bytes_cross_rack += bytes;
+}
+
+// Stores a finished operation's record (and queues its JSON line). `end`: when the operation
+// finished; caller_ns: what building the record cost the caller's thread (recordCost()).
+void ProcessGroupXirang::keepRecord(OpRecord rec, Clock::time_point end, uint64_t caller_ns) {
+  if (stats_file_) {
+    // The line carries the exposed wait known now: a caller already blocked has waited since
+    // it began (up to `end`, before the wake-up); one that has not begun yet is unknown.
+    rec.exposed_wait_s =
+        rec.wait ? rec.wait->seconds(std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count())
+                 : -1;
+    std::lock_guard<std::mutex> g(stats_mu_);
+    stats_q_.push_back(rec);  // no wake-up: the writer comes by every 100 ms
+  }
+  {
+    std::lock_guard<std::mutex> g(rec_mu_);
+    records_.push_back(std::move(rec));
+    while (records_.size() > record_capacity_) records_.pop_front();
+  }
+  record_ns_.fetch_add(caller_ns + static_cast<uint64_t>(
+                                       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - end).count()),
+                       std::memory_order_relaxed);
+  records_built_.fetch_add(1, std::memory_order_relaxed);
 }
 
 // ---------------------------------------------------------------- elastic mode (#8)
@@ -677,14 +698,16 @@ void ProcessGroupXirang::installEpoch(const elastic::Decision& d, const transpor
   topts.key_prefix = "xirang/e" + std::to_string(d.epoch);
   topts.members = d.live;
   topts.key = key;
-  auto fresh = std::make_unique<transport::Tcp>(rank_, size_, store_, topts, Clock::now() + cfg_.timeout);
+  // Every member of the epoch can compute its group id (rank 0 may be gone): from its key.
+  topts.group_id = transport::siphash24(key, "xirang-epoch-group", 18);
+  auto fresh = std::make_shared<transport::Tcp>(rank_, size_, store_, topts, Clock::now() + cfg_.timeout);
   std::vector<int> base = cfg_.ring;
   if (base.empty())
     for (int r = 0; r < size_; ++r) base.push_back(r);
   std::vector<int> ring;
   for (int r : base)
     if (std::find(d.live.begin(), d.live.end(), r) != d.live.end()) ring.push_back(r);
-  std::unique_ptr<transport::Tcp> old;
+  std::shared_ptr<transport::Tcp> old;
   {
     std::lock_guard<std::mutex> g(mem_mu_);
     old = std::move(tcp_);
@@ -715,6 +738,13 @@ void ProcessGroupXirang::installEpoch(const elastic::Decision& d, const transpor
     cb = membership_cb_;
   }
   if (cb) cb();
+}
+
+// The group key of elastic epoch `epoch`: with XIRANG_AUTH_KEY_FILE derived from the file's key
+// (so a spare that holds the file can compute it and nothing secret goes to the store), else
+// `otherwise` (derived from the previous epoch's key, or a random one the store carries).
+transport::Key128 ProcessGroupXirang::epochKey(uint64_t epoch, const transport::Key128& otherwise) const {
+  return auth_key_ ? transport::deriveKey(*auth_key_, epoch) : otherwise;
 }
 
 elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
@@ -751,7 +781,7 @@ elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
   transport::Key128 key;
   {
     std::lock_guard<std::mutex> g(mem_mu_);
-    key = transport::deriveKey(tcp_->key(), d.epoch);
+    key = epochKey(d.epoch, transport::deriveKey(tcp_->key(), d.epoch));
   }
   installEpoch(d, key, /*source=*/-1, reason, std::chrono::duration<double>(t_agreed - t0).count(), t0);
   env::log(env::Level::Warn, rank_,
@@ -809,7 +839,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::admitJoiners(int64_t expect, 
       for (const auto& j : joiners) d.live.push_back(j.first);
       std::sort(d.live.begin(), d.live.end());
       d.done_seq = d.fence = ctx.seq;
-      if (!joiners.empty())
+      if (!joiners.empty() && !auth_key_)  // with XIRANG_AUTH_KEY_FILE the key is derived, not stored
         store_->set(elastic::secretKey(kElasticPrefix, d.epoch), transport::keyToHex(transport::randomKey()));
       store_->compareSet(key, "", d.encode());
       for (const auto& [r, nonce] : joiners) {
@@ -820,7 +850,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::admitJoiners(int64_t expect, 
     elastic::Decision d = elastic::Decision::decode(waitKey(key, ctx.deadline));
     if (d.epoch == epoch_.load()) return;  // nobody joined
     transport::Key128 k =
-        transport::keyFromHex(waitKey(elastic::secretKey(kElasticPrefix, d.epoch), ctx.deadline));
+        auth_key_ ? epochKey(d.epoch, {})
+                  : transport::keyFromHex(waitKey(elastic::secretKey(kElasticPrefix, d.epoch), ctx.deadline));
     std::ostringstream why;
     why << "spares joined (" << membershipText(&d) << ")";
     installEpoch(d, k, lowest, why.str(), 0.0, Clock::now());
@@ -856,7 +887,8 @@ void ProcessGroupXirang::joinGroup() {
   std::string rest;
   std::getline(in, rest);
   elastic::Decision d = elastic::Decision::decode(rest.substr(rest.find_first_not_of(' ')));
-  transport::Key128 key = transport::keyFromHex(store_->get(elastic::secretKey(kElasticPrefix, d.epoch), deadline));
+  transport::Key128 key = auth_key_ ? epochKey(d.epoch, {})
+                                    : transport::keyFromHex(store_->get(elastic::secretKey(kElasticPrefix, d.epoch), deadline));
   seq_ = d.fence;  // the survivors' admission op was #fence: this rank's next op is the next one
   issued_seq_.store(seq_);
   done_seq_ = seq_;
@@ -1067,15 +1099,22 @@ void ProcessGroupXirang::clearRecords() {
 
 namespace {
 
-void checkTensors(int rank, const char* op, const std::vector<at::Tensor>& ts) {
+// cuda_ok: the caller handles CUDA tensors itself (point-to-point stages them; a build with the
+// CUDA path only).
+void checkTensors(int rank, const char* op, const std::vector<at::Tensor>& ts, bool cuda_ok = false) {
   for (const auto& t : ts) {
     TORCH_CHECK(t.defined(), "xirang rank ", rank, ": ", op, ": undefined tensor");
     if (t.is_cuda()) {
 #ifndef XIRANG_WITH_CUDA
+      (void)cuda_ok;
       TORCH_CHECK(false, "xirang rank ", rank, ": ", op,
                   ": got a CUDA tensor, but the CUDA path is not built in this xirang "
                   "(build_info()['cuda'] is None); use CPU tensors or 'cpu:xirang,cuda:nccl'");
 #else
+      if (cuda_ok) {
+        TORCH_CHECK(t.layout() == at::kStrided, "xirang rank ", rank, ": ", op, ": sparse tensors are not supported");
+        continue;
+      }
       TORCH_CHECK(false, "xirang rank ", rank, ": ", op,
                   ": CUDA tensors are not supported by this operation yet (the host-staged CUDA path covers "
                   "all_reduce, all_reduce_coalesced, broadcast, reduce, all_gather, all_gather_into_tensor, "
@@ -1667,21 +1706,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::barrier(const c10d::BarrierOp
 
 // ---------------------------------------------------------------- point to point
 
-// Point-to-point messages travel on the same ordered connections as collectives, as one framed
-// message carrying the tag. A send may block until the receiver posts the matching recv (like
-// NCCL); inside startCoalescing/endCoalescing (batch_isend_irecv) all sends and receives run as
-// one concurrent exchange, so rings of isend/irecv cannot deadlock.
+// Point-to-point operations do not go through the op queue: they are posted straight to the
+// transport's point-to-point engine (core/transport/p2p.h), which moves them on connections of
+// their own, all at once and independently of the order they were issued in (gloo's semantics):
+// a receive posted before a send to the same peer, rings of isend/irecv and batch_isend_irecv
+// of any size complete. Their Work completes on the engine's thread.
 namespace {
-struct P2P {
-  bool is_send;
-  int peer;
-  int tag;
-  at::Tensor tensor;  // contiguous staging
-  at::Tensor user;
-};
-}  // namespace
-
-static transport::FrameHeader p2pHeader(const at::Tensor& t, int tag) {
+transport::FrameHeader p2pHeader(const at::Tensor& t, int tag) {
   transport::FrameHeader h;
   h.kind = transport::FrameKind::Data;
   h.op = OpKind::Send;
@@ -1690,82 +1721,166 @@ static transport::FrameHeader p2pHeader(const at::Tensor& t, int tag) {
   h.op_numel = static_cast<uint64_t>(t.numel());
   return h;
 }
+}  // namespace
 
-static void runP2P(const Comm& comm, const OpCtx& ctx, std::vector<P2P>& ops) {
-  std::vector<transport::SendJob> sends;
-  std::vector<transport::RecvJob> recvs;
-  for (auto& p : ops) {
-    if (p.is_send) {
-      sends.push_back({p.peer, p2pHeader(p.tensor, p.tag), {SendSeg{p.tensor.data_ptr(), nbytes(p.tensor)}}});
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::postP2P(bool is_send, int peer, int tag, const at::Tensor& t,
+                                                           c10d::OpType type, const char* title) {
+  checkPoisoned();
+  const std::string opname = std::string(title).substr(std::strlen("xirang:"));
+  auto work = c10::make_intrusive<WorkXirang>(rank_, type, title, std::vector<at::Tensor>{t},
+                                              std::optional<std::vector<at::Tensor>>(std::vector<at::Tensor>{t}));
+  std::ostringstream d;
+  d << "xirang rank " << rank_ << ": " << opname << " (" << dtypeName(toDType(t.scalar_type())) << ", " << t.numel()
+    << " elements, tag " << tag << (is_send ? ", to rank " : ", from ")
+    << (peer < 0 ? std::string("any rank") : (is_send ? "" : "rank ") + std::to_string(peer)) << ", group '"
+    << cfg_.group_name << "')";
+  work->desc_ = d.str();
+  at::Tensor user = t, buf;
+#ifdef XIRANG_WITH_CUDA
+  std::shared_ptr<cudastage::Stage> stage;
+  if (t.is_cuda()) {
+    stage = newStage(cuda_streams_);
+    buf = stage->add(t, /*copy_in=*/is_send, /*copy_out=*/!is_send);
+    stage->inputsReady();
+    work->setCudaStage(stage);
+    if (is_send) stage->copyIn();  // the send reads the host mirror: it must hold the finished values
+  }
+#endif
+  if (!buf.defined()) buf = is_send ? t.contiguous() : (t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous));
+  const uint64_t bytes = nbytes(buf);
+  const auto t0 = Clock::now();
+  OpRecord rec;
+  if (records_on_) {
+    rec.op = opname;
+    rec.algorithm = "p2p";
+    rec.dtype = dtypeName(toDType(t.scalar_type()));
+    rec.numel = static_cast<uint64_t>(t.numel());
+    rec.t_enqueue = std::chrono::duration<double>(t0 - created_).count();
+    rec.wait = std::make_shared<WaitClock>();
+    work->wait_clock_ = rec.wait;
+  }
+  const uint64_t epoch = epoch_.load();
+  auto done = [this, work, buf, user, is_send, bytes, t0, epoch, rec = std::move(rec)
+#ifdef XIRANG_WITH_CUDA
+               , stage
+#endif
+  ](std::exception_ptr err, int src) mutable {
+    if (!err && !is_send) {
+      try {
+#ifdef XIRANG_WITH_CUDA
+        if (stage) stage->copyOut();
+        else
+#endif
+        if (!buf.is_same(user)) user.copy_(buf);
+      } catch (...) {
+        err = std::current_exception();
+      }
+    }
+    if (!err) work->source_rank_ = src;
+    if (err) err = p2pFailed(work->desc_, err, epoch);
+    if (records_on_) {
+      const auto end = Clock::now();
+      rec.total_s = std::chrono::duration<double>(end - t0).count();
+      rec.ok = err == nullptr;
+      if (is_send) rec.bytes_raw = rec.bytes_wire = err ? 0 : bytes;
+      if (!err) rec.peers.push_back({src, is_send ? rec.total_s : 0.0, is_send ? 0.0 : rec.total_s, is_send ? bytes : 0,
+                                     is_send ? 0 : bytes});
+      if (!err && is_send) addCrossBytes(rec, src, bytes);
+      keepRecord(std::move(rec), end, 0);
+    }
+    work->complete(err);
+  };
+  {
+    std::unique_lock<std::mutex> g(mem_mu_);
+    if (cfg_.elastic && static_cast<int>(live_.size()) < size_) {
+      g.unlock();
+      done(std::make_exception_ptr(MembershipChanged(
+               work->desc_ + " is not available after a membership change (" + membershipText(nullptr) +
+               "): only allreduce, broadcast, barrier and the hook's operation run on the shrunken ring; create a "
+               "new group over the live ranks for the others")),
+           peer);
     } else {
-      recvs.push_back({p.peer, p2pHeader(p.tensor, p.tag), {RecvSeg{p.tensor.data_ptr(), nbytes(p.tensor)}}, nullptr});
+      transport::P2P* engine = nullptr;
+      try {
+        engine = &tcp_->p2p();
+      } catch (...) {
+        g.unlock();
+        done(std::current_exception(), peer);
+      }
+      if (engine) {
+        const auto deadline = t0 + cfg_.timeout;
+        auto h = p2pHeader(buf, tag);
+        // The engine may call `done` on this thread (when it has already failed): without mem_mu_.
+        g.unlock();
+        if (is_send) engine->send(peer, h, buf.data_ptr(), bytes, deadline, std::move(done));
+        else engine->recv(peer, h, buf.data_ptr(), bytes, deadline, std::move(done));
+      }
     }
   }
-  runExchange(comm, ctx, sends, recvs);
-  if (ctx.phases) ctx.phases->algorithm = "p2p";
-  for (auto& p : ops)
-    if (!p.is_send && !p.tensor.is_same(p.user)) p.user.copy_(p.tensor);
+  if (coalescing_) coalesced_.push_back(work);
+  return work;
+}
+
+// A point-to-point operation failed: in elastic mode, because the membership changed (the old
+// epoch's transport closed under it), it raises MembershipChanged and the group goes on;
+// otherwise the first error poisons the group as a collective's would (fail-fast).
+std::exception_ptr ProcessGroupXirang::p2pFailed(const std::string& desc, std::exception_ptr err, uint64_t epoch) {
+  std::string what;
+  try {
+    std::rethrow_exception(err);
+  } catch (const MembershipChanged&) {
+    return err;
+  } catch (const c10::Error& e) {
+    what = e.msg();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    what = "unknown error";
+  }
+  if (cfg_.elastic && (epoch_.load() != epoch || membership_signal_.load()))
+    return std::make_exception_ptr(MembershipChanged(desc + " was interrupted by a membership change (" + what +
+                                                     "); its result is void"));
+  std::string msg = desc + " failed: " + what;
+  bool first;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    first = poison_.empty() && !stop_;
+  }
+  poison(msg);
+  if (first) {
+    env::log(env::Level::Warn, rank_, msg);
+    // Tell the peers (abort frames, the store's abort note), as a failed collective does. Not
+    // under mem_mu_: this may run on the caller's thread inside postP2P.
+    std::shared_ptr<transport::Tcp> tcp;
+    {
+      std::lock_guard<std::mutex> g(mem_mu_);
+      tcp = tcp_;
+    }
+    if (tcp) tcp->abort(msg);
+  }
+  return std::make_exception_ptr(std::runtime_error(msg));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-#ifdef XIRANG_WITH_CUDA
-  if (anyCuda(tensors)) {
-    auto st = newStage(cuda_streams_);
-    std::vector<at::Tensor> host;
-    for (auto& t : tensors) host.push_back(st->add(t, true, false));
-    PendingStage pending(st);
-    return send(host, dstRank, tag);
-  }
-#endif
   TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": send takes exactly one tensor");
-  checkTensors(rank_, "send", tensors);
+  checkTensors(rank_, "send", tensors, /*cuda_ok=*/true);
   TORCH_CHECK(dstRank >= 0 && dstRank < size_ && dstRank != rank_, "xirang rank ", rank_, ": send: invalid peer ",
               dstRank);
-  at::Tensor t = tensors[0];
-  std::vector<P2P> ops{{true, dstRank, tag, t.contiguous(), t}};
-  auto fn = [this, ops](OpCtx& ctx) mutable { runP2P(comm_, ctx, ops); };
-  return enqueue(c10d::OpType::SEND, "xirang:send", OpKind::Send, tensors, tensors, toDType(t.scalar_type()),
-                 ReduceOp::None, static_cast<uint64_t>(t.numel()), c10d::kUnsetTimeout, fn);
+  return postP2P(true, dstRank, tag, tensors[0], c10d::OpType::SEND, "xirang:send");
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-#ifdef XIRANG_WITH_CUDA
-  if (anyCuda(tensors)) {
-    auto st = newStage(cuda_streams_);
-    std::vector<at::Tensor> host;
-    for (auto& t : tensors) host.push_back(st->add(t, false, true));
-    PendingStage pending(st);
-    return recv(host, srcRank, tag);
-  }
-#endif
   TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": recv takes exactly one tensor");
-  checkTensors(rank_, "recv", tensors);
+  checkTensors(rank_, "recv", tensors, /*cuda_ok=*/true);
   TORCH_CHECK(srcRank >= 0 && srcRank < size_ && srcRank != rank_, "xirang rank ", rank_, ": recv: invalid peer ",
               srcRank);
-  at::Tensor t = tensors[0];
-  std::vector<P2P> ops{{false, srcRank, tag, t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous), t}};
-  auto fn = [this, ops](OpCtx& ctx) mutable { runP2P(comm_, ctx, ops); };
-  auto w = enqueue(c10d::OpType::RECV, "xirang:recv", OpKind::Send, tensors, tensors, toDType(t.scalar_type()),
-                   ReduceOp::None, static_cast<uint64_t>(t.numel()), c10d::kUnsetTimeout, fn);
-  static_cast<WorkXirang*>(w.get())->source_rank_ = srcRank;
-  return w;
+  return postP2P(false, srcRank, tag, tensors[0], c10d::OpType::RECV, "xirang:recv");
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   TORCH_CHECK(tensors.size() == 1, "xirang rank ", rank_, ": recv takes exactly one tensor");
-  checkTensors(rank_, "recv", tensors);
-  at::Tensor t = tensors[0];
-  auto holder = std::make_shared<c10::intrusive_ptr<c10d::Work>>();
-  auto fn = [this, t, tag, holder](OpCtx& ctx) {
-    int src = comm_.tcp->waitAnySource(ctx.deadline, static_cast<uint32_t>(tag));
-    std::vector<P2P> ops{{false, src, tag, t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous), t}};
-    runP2P(comm_, ctx, ops);
-    static_cast<WorkXirang*>(holder->get())->source_rank_ = src;
-  };
-  auto w = enqueue(c10d::OpType::RECVANYSOURCE, "xirang:recv_anysource", OpKind::Send, tensors, tensors,
-                   toDType(t.scalar_type()), ReduceOp::None, static_cast<uint64_t>(t.numel()), c10d::kUnsetTimeout, fn);
-  *holder = w;
-  return w;
+  checkTensors(rank_, "recv", tensors, /*cuda_ok=*/true);
+  return postP2P(false, -1, tag, tensors[0], c10d::OpType::RECVANYSOURCE, "xirang:recv_anysource");
 }
 
 void ProcessGroupXirang::startCoalescing() {
@@ -1774,18 +1889,39 @@ void ProcessGroupXirang::startCoalescing() {
   coalesced_.clear();
 }
 
+// The Work of a batch (batch_isend_irecv, the coalescing manager): completes once every
+// operation issued since startCoalescing has, with the first error among them. The operations
+// themselves already run concurrently (point-to-point) or in order (collectives).
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::endCoalescing() {
   TORCH_CHECK(coalescing_, "xirang rank ", rank_, ": endCoalescing without startCoalescing");
   coalescing_ = false;
   auto works = std::move(coalesced_);
   coalesced_.clear();
-  // A Work completing after every coalesced one (the queue runs in order) and rethrowing theirs.
-  auto fn = [works](OpCtx&) {
-    for (auto& w : works)
-      if (auto e = w->exception()) std::rethrow_exception(e);
+  auto batch = c10::make_intrusive<WorkXirang>(rank_, c10d::OpType::COALESCED, "xirang:coalesced",
+                                               std::vector<at::Tensor>{}, std::nullopt);
+  batch->desc_ = "xirang rank " + std::to_string(rank_) + ": coalesced batch of " + std::to_string(works.size()) +
+                 " operations (group '" + cfg_.group_name + "')";
+  if (works.empty()) {
+    batch->complete(nullptr);
+    return batch;
+  }
+  struct Left {
+    std::atomic<size_t> n;
+    std::mutex mu;
+    std::exception_ptr first;
   };
-  return enqueue(c10d::OpType::COALESCED, "xirang:coalesced", OpKind::None, {}, {}, DType::UInt8, ReduceOp::None, 0,
-                 c10d::kUnsetTimeout, fn);
+  auto left = std::make_shared<Left>();
+  left->n = works.size();
+  for (auto& w : works) {
+    w->getFuture()->addCallback([left, batch](c10::ivalue::Future& f) {
+      if (f.hasError()) {
+        std::lock_guard<std::mutex> g(left->mu);
+        if (!left->first) left->first = f.exception_ptr();
+      }
+      if (--left->n == 0) batch->complete(left->first);
+    });
+  }
+  return batch;
 }
 
 }  // namespace xirang

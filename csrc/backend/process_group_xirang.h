@@ -196,7 +196,9 @@ class ProcessGroupXirang : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
   // Coalescing (batch_isend_irecv, the coalescing manager): ops issued between start and end
-  // run as they are issued; endCoalescing returns a Work that completes when all have.
+  // run as they are issued (point-to-point ones concurrently); endCoalescing returns a Work that
+  // completes when all have, with the first error among them.
+  bool supportsCoalescing() const override { return true; }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -267,6 +269,13 @@ class ProcessGroupXirang : public c10d::Backend {
                                          Fn fn, int64_t group_id = -1, std::string label = "",
                                          std::function<std::function<void()>()> save = nullptr);
   void writeRecord(const OpRecord& r);
+  void keepRecord(OpRecord rec, std::chrono::steady_clock::time_point end, uint64_t caller_ns);
+  void addCrossBytes(OpRecord& rec, int peer, uint64_t bytes) const;
+  // Point-to-point: posts a send (is_send) or a receive from `peer` (-1: any source) to the
+  // transport's point-to-point engine; the Work completes on the engine's thread.
+  c10::intrusive_ptr<c10d::Work> postP2P(bool is_send, int peer, int tag, const at::Tensor& t, c10d::OpType type,
+                                         const char* title);
+  std::exception_ptr p2pFailed(const std::string& desc, std::exception_ptr err, uint64_t epoch);
   void runLoop();
   void checkPoisoned();
   void poison(const std::string& msg);
@@ -284,11 +293,13 @@ class ProcessGroupXirang : public c10d::Backend {
   // reported for the current epoch meanwhile, TimeoutError after `deadline`.
   std::string waitKey(const std::string& key, transport::Deadline deadline);
   void heartbeatLoop();
+  transport::Key128 epochKey(uint64_t epoch, const transport::Key128& otherwise) const;
   std::string membershipText(const elastic::Decision* d) const;
 
   XirangConfig cfg_;
   std::shared_ptr<transport::Store> store_;
-  std::unique_ptr<transport::Tcp> tcp_;
+  std::shared_ptr<transport::Tcp> tcp_;  // replaced per elastic epoch (under mem_mu_)
+  std::optional<transport::Key128> auth_key_;  // XIRANG_AUTH_KEY_FILE's key, if set
   Comm comm_;
   uint64_t seq_ = 0;  // caller's thread(s) only
 

@@ -27,6 +27,7 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_STATS_DIR", "", "directory where every rank appends its operation records as rank<N>.jsonl"},
       {"XIRANG_STATS", "1", "0: a process group created now keeps no operation records (xirang.stats() empty, no JSON lines, Work.wait not timed); for measuring what they cost"},
       {"XIRANG_STATS_CAPACITY", "65536", "operation records kept in memory per process group (ring buffer)"},
+      {"XIRANG_AUTH_KEY_FILE", "", "file holding a 128-bit group key as 32 hex digits (a secret the launcher distributes): peers must prove they hold it, and no secret is written to the c10d store (README: Security model)"},
       {"XIRANG_HANDSHAKE_TIMEOUT_MS", "10000", "bound on one connection's authentication handshake, milliseconds"},
       {"XIRANG_PROMETHEUS_PORT", "", "xirang.exporters.start_prometheus(): serve metrics on this port + LOCAL_RANK"},
       {"XIRANG_RUN_ID", "", "run id written into every stats record (default: TORCHELASTIC_RUN_ID)"},

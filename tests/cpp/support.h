@@ -12,6 +12,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -144,6 +145,25 @@ struct Group {
     });
   }
 };
+
+// Posts one point-to-point operation to t.p2p(); the future yields the source rank (the peer for
+// a send) or rethrows what the operation failed with.
+inline std::future<int> p2pPost(tp::Tcp& t, bool send, int peer, const tp::FrameHeader& h, void* data, uint64_t bytes,
+                                tp::Deadline deadline) {
+  auto pr = std::make_shared<std::promise<int>>();
+  auto f = pr->get_future();
+  auto done = [pr](std::exception_ptr e, int src) {
+    if (e) pr->set_exception(e);
+    else pr->set_value(src);
+  };
+  if (send) t.p2p().send(peer, h, data, bytes, deadline, done);
+  else t.p2p().recv(peer, h, data, bytes, deadline, done);
+  return f;
+}
+inline int p2pWait(tp::Tcp& t, bool send, int peer, const tp::FrameHeader& h, void* data, uint64_t bytes,
+                   tp::Deadline deadline) {
+  return p2pPost(t, send, peer, h, data, bytes, deadline).get();
+}
 
 // Deterministic per-(a, b, c) pseudo-random 64 bits (splitmix64 of a mix), so every rank can
 // regenerate every other rank's input for the reference.

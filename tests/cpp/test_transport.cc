@@ -9,10 +9,12 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -93,10 +95,11 @@ bool serverClosed(int fd) {
   }
 }
 
-std::vector<uint8_t> hello(const char magic[4], uint16_t version, int32_t rank, uint64_t nonce) {
+std::vector<uint8_t> hello(const char magic[4], uint16_t version, int32_t rank, uint64_t nonce, uint8_t channel = 0) {
   std::vector<uint8_t> h(20, 0);
   std::memcpy(h.data(), magic, 4);
   std::memcpy(h.data() + 4, &version, 2);
+  h[6] = channel;
   std::memcpy(h.data() + 8, &rank, 4);
   std::memcpy(h.data() + 12, &nonce, 8);
   return h;
@@ -521,55 +524,6 @@ TEST_CASE("transport: a listener that cannot prove the group secret is refused",
   CHECK(peer == 1);
 }
 
-TEST_CASE("transport: waitAnySource returns the rank whose point-to-point frame is waiting", "[transport]") {
-  Group g(3);
-  connectAll(g);
-  std::vector<int> sources;
-  std::vector<uint32_t> values;
-  double idle_timeout_s = -1;
-  std::string idle_what;
-  g.run([&](int r) {
-    auto p2p = [](uint32_t tag) {
-      tp::FrameHeader h = hdr(tp::OpKind::Send, 0, 4);
-      h.tag = tag;
-      return h;
-    };
-    if (r == 0) {
-      // Nothing pending yet: times out at the deadline.
-      const auto t0 = Clock::now();
-      try {
-        g.tcp[0]->waitAnySource(t0 + milliseconds(300), 9);
-      } catch (const tp::TimeoutError& e) {
-        idle_what = e.what();
-      }
-      idle_timeout_s = secondsSince(t0);
-      // Rank 2 sends first, then rank 1 (ordered through the store).
-      g.store->set("go2", "1");
-      for (int k = 0; k < 2; ++k) {
-        int src = g.tcp[0]->waitAnySource(after(milliseconds(5000)), 9);
-        sources.push_back(src);
-        uint32_t v = 0;
-        std::vector<tp::SendJob> s;
-        std::vector<tp::RecvJob> rv{{src, p2p(9), {{&v, 4}}, nullptr}};
-        g.tcp[0]->exchange(s, rv, after(milliseconds(5000)));
-        values.push_back(v);
-        if (k == 0) g.store->set("go1", "1");
-      }
-    } else {
-      g.store->get(r == 2 ? "go2" : "go1", after(milliseconds(10000)));
-      uint32_t v = 100 + static_cast<uint32_t>(r);
-      std::vector<tp::SendJob> s{{0, p2p(9), {{&v, 4}}}};
-      std::vector<tp::RecvJob> rv;
-      g.tcp[r]->exchange(s, rv, after(milliseconds(5000)));
-    }
-  });
-  CAPTURE(idle_what);
-  CHECK(idle_timeout_s >= 0.3);
-  CHECK(idle_timeout_s <= 1.3);
-  CHECK(sources == std::vector<int>{2, 1});
-  CHECK(values == std::vector<uint32_t>{102, 101});
-}
-
 // tcp.h: the constructor "Throws TransportError when no address can be bound or the store times
 // out". When the group secret never appears, the store's own exception escapes instead.
 TEST_CASE("transport: a store timeout in the constructor is a TransportError", "[transport]") {
@@ -581,21 +535,23 @@ TEST_CASE("transport: a store timeout in the constructor is a TransportError", "
 
 namespace {
 
-// A hand-rolled group member: connects to `address`, runs the client side of the handshake
-// (tcp.cc: hello "XRHS" v rank nonce -> server nonce + MAC -> client MAC) with the group secret
-// from the store, and returns the authenticated blocking fd.
-int fakeMember(MemStore& store, const std::string& address, int me, int server) {
+// A hand-rolled group member: connects to `address`, runs the client side of the handshake as
+// auth.h documents it (hello "XRHS" version channel rank nonce -> server nonce + MAC over the
+// group id -> client MAC) with the group id and secret from the store, and returns the
+// authenticated blocking fd.
+int fakeMember(MemStore& store, const std::string& address, int me, int server,
+               tp::Channel ch = tp::Channel::Collective, bool verify_server = true) {
   const tp::Key128 key = tp::keyFromHex(store.get("xirang/secret", after(milliseconds(2000))));
+  const uint64_t group = std::stoull(store.get("xirang/group_id", after(milliseconds(2000))), nullptr, 16);
   int fd = rawConnect(address);
   const uint64_t cnonce = 0x1234567;
-  auto h = hello("XRHS", tp::kWireVersion, me, cnonce);
+  auto h = hello("XRHS", tp::kWireVersion, me, cnonce, static_cast<uint8_t>(ch));
   if (::send(fd, h.data(), h.size(), MSG_NOSIGNAL) != 20) throw std::runtime_error("hello not sent");
   uint64_t reply[2];
   if (::recv(fd, reply, sizeof(reply), MSG_WAITALL) != 16) throw std::runtime_error("no server reply");
-  uint64_t smsg[4] = {0x53ULL, cnonce, reply[0], (static_cast<uint64_t>(server) << 32) | static_cast<uint32_t>(me)};
-  if (reply[1] != tp::siphash24(key, smsg, sizeof(smsg))) throw std::runtime_error("server MAC wrong");
-  uint64_t cmsg[4] = {0x43ULL, reply[0], cnonce, (static_cast<uint64_t>(me) << 32) | static_cast<uint32_t>(server)};
-  uint64_t cmac = tp::siphash24(key, cmsg, sizeof(cmsg));
+  if (verify_server && reply[1] != tp::serverMac(key, group, ch, cnonce, reply[0], server, me))
+    throw std::runtime_error("server MAC wrong");
+  uint64_t cmac = tp::clientMac(key, group, ch, reply[0], cnonce, me, server);
   if (::send(fd, &cmac, 8, MSG_NOSIGNAL) != 8) throw std::runtime_error("client MAC not sent");
   return fd;
 }
@@ -735,94 +691,160 @@ TEST_CASE("transport: connectTo a port nobody listens on times out at its deadli
   CHECK(el <= 1.3);
 }
 
+
 namespace {
-tp::FrameHeader p2pHeader(uint32_t tag, uint64_t numel) {
-  tp::FrameHeader h = hdr(tp::OpKind::Send, 0, numel);
-  h.tag = tag;
-  return h;
+int countLines(const char* path) {
+  std::ifstream f(path);
+  std::string line;
+  int n = 0;
+  while (std::getline(f, line)) ++n;
+  return n;
+}
+long statusField(const char* field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind(field, 0) == 0) return std::stol(line.substr(std::strlen(field)));
+  return -1;
+}
+// connect() then an immediate reset (SO_LINGER 0): the attack that used to cost a thread each.
+bool connectAndReset(const sockaddr_in& sa) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  bool ok = ::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 0;
+  linger lg{1, 0};
+  setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+  ::close(fd);
+  return ok;
 }
 }  // namespace
 
-TEST_CASE("transport: point-to-point messages are matched by tag, out of order via the stash", "[transport]") {
+TEST_CASE("transport: 100,000 connect+reset strangers leave the group up and its resources flat", "[transport][security]") {
   Group g(2);
-  std::vector<uint32_t> got(3, 0);
-  std::vector<int> any(2, -1);
-  g.run([&](int r) {
-    if (r == 1) {
-      uint32_t a = 55, b = 66, c = 77;
-      std::vector<tp::SendJob> s{{0, p2pHeader(5, 1), {{&a, 4}}},
-                                 {0, p2pHeader(6, 1), {{&b, 4}}},
-                                 {0, p2pHeader(7, 1), {{&c, 4}}}};
-      std::vector<tp::RecvJob> v;
-      g.tcp[1]->exchange(s, v, after(milliseconds(5000)));
-      return;
+  connectAll(g);
+  const std::string addr = g.tcp[0]->address();
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1))));
+  inet_pton(AF_INET, addr.substr(0, addr.rfind(':')).c_str(), &sa.sin_addr);
+  const long threads0 = statusField("Threads:");
+  const int maps0 = countLines("/proc/self/maps");
+  std::atomic<bool> stop{false};
+  std::atomic<int> connected{0};
+  std::atomic<int> max_threads{0};
+  std::thread flood([&] {
+    for (int i = 0; i < 100000 && !stop; ++i) {
+      if (connectAndReset(sa)) connected++;
+      if (i % 5000 == 0) max_threads = std::max<int>(max_threads, static_cast<int>(statusField("Threads:")));
     }
-    // Receive tag 6 first: tag 5 arrives ahead of it and is stashed.
-    std::vector<tp::SendJob> s;
-    std::vector<tp::RecvJob> v6{{1, p2pHeader(6, 1), {{&got[1], 4}}, nullptr}};
-    g.tcp[0]->exchange(s, v6, after(milliseconds(5000)));
-    any[0] = g.tcp[0]->waitAnySource(after(milliseconds(2000)), 5);  // already stashed
-    std::vector<tp::RecvJob> v5{{1, p2pHeader(5, 1), {{&got[0], 4}}, nullptr}};
-    g.tcp[0]->exchange(s, v5, after(milliseconds(5000)));
-    any[1] = g.tcp[0]->waitAnySource(after(milliseconds(2000)), 7);  // on the wire
-    std::vector<tp::RecvJob> v7{{1, p2pHeader(7, 1), {{&got[2], 4}}, nullptr}};
-    g.tcp[0]->exchange(s, v7, after(milliseconds(5000)));
   });
-  CHECK(got == std::vector<uint32_t>{55, 66, 77});
-  CHECK(any == std::vector<int>{1, 1});
+  // The members keep exchanging meanwhile, with the right values.
+  int rounds = 0;
+  bool values_ok = true;
+  while (connected < 100000 && rounds < 100000) {
+    const uint64_t seq = static_cast<uint64_t>(++rounds);
+    std::vector<uint64_t> got(2, 0);
+    g.run([&](int r) {
+      uint64_t mine = seq * 10 + static_cast<uint64_t>(r);
+      std::vector<tp::SendJob> s{{1 - r, hdr(tp::OpKind::Allreduce, seq, 1), {{&mine, 8}}}};
+      std::vector<tp::RecvJob> v{{1 - r, hdr(tp::OpKind::Allreduce, seq, 1), {{&got[r], 8}}, nullptr}};
+      g.tcp[r]->exchange(s, v, after(milliseconds(10000)));
+    });
+    values_ok = values_ok && got[0] == seq * 10 + 1 && got[1] == seq * 10;
+    if (!flood.joinable()) break;
+    if (connected >= 100000) break;
+    std::this_thread::sleep_for(milliseconds(20));
+    if (rounds % 50 == 0 && connected == 0) break;  // the flood cannot connect at all
+  }
+  stop = true;
+  flood.join();
+  std::this_thread::sleep_for(milliseconds(300));  // the last handshakes end
+  const long threads1 = statusField("Threads:");
+  const int maps1 = countLines("/proc/self/maps");
+  const uint64_t rejected = g.tcp[0]->rejectedConnections();
+  CAPTURE(connected.load(), rounds, threads0, threads1, max_threads.load(), maps0, maps1, rejected);
+  CHECK(connected >= 99000);
+  CHECK(values_ok);
+  CHECK(rounds > 10);
+  CHECK(max_threads <= threads0 + 3);  // + the flood thread and the two rank threads of g.run
+  CHECK(threads1 <= threads0 + 1);
+  CHECK(maps1 <= maps0 + 16);
+  CHECK(g.tcp[0]->pendingHandshakes() <= 1);
+  CHECK(rejected >= 99000);
 }
 
-TEST_CASE("transport: a p2p size mismatch on a stashed message is reported", "[transport]") {
+TEST_CASE("transport: a second connection claiming an authenticated rank is refused, not swapped in", "[transport][security]") {
   Group g(2);
-  std::string what;
-  xirang_test::runRanks(2, [&](int r) {
-    std::vector<tp::SendJob> s;
-    std::vector<tp::RecvJob> v;
-    uint64_t a = 1, b = 2;
-    if (r == 1) {
-      s = {{0, p2pHeader(5, 2), {{&a, 8}}}, {0, p2pHeader(6, 1), {{&b, 8}}}};
-      g.tcp[1]->exchange(s, v, after(milliseconds(5000)));
-      return;
-    }
-    uint64_t x = 0, y = 0;
-    v = {{1, p2pHeader(6, 1), {{&y, 8}}, nullptr}};
-    g.tcp[0]->exchange(s, v, after(milliseconds(5000)));
-    v = {{1, p2pHeader(5, 1), {{&x, 8}}, nullptr}};  // sender said 2 elements
-    try {
-      g.tcp[0]->exchange(s, v, after(milliseconds(5000)));
-    } catch (const tp::TransportError& e) {
-      what = e.what();
-    }
+  connectAll(g);
+  // Someone who knows the store's secret connects as rank 1 again.
+  int fd = fakeMember(*g.store, g.tcp[0]->address(), 1, 0);
+  CHECK(serverClosed(fd));
+  ::close(fd);
+  // The real rank 1's connection still carries the group's traffic.
+  std::vector<uint64_t> got(2);
+  g.run([&](int r) {
+    uint64_t mine = 500 + r;
+    std::vector<tp::SendJob> s{{1 - r, hdr(tp::OpKind::Barrier, 9), {{&mine, 8}}}};
+    std::vector<tp::RecvJob> v{{1 - r, hdr(tp::OpKind::Barrier, 9), {{&got[r], 8}}, nullptr}};
+    g.tcp[r]->exchange(s, v, after(milliseconds(5000)));
   });
-  CAPTURE(what);
-  CHECK(what.find("element count mismatch: this rank 1, rank 1 2") != std::string::npos);
+  CHECK(got[0] == 501);
+  CHECK(got[1] == 500);
+  CHECK(g.tcp[0]->rejectedConnections() >= 1);
 }
 
-// tcp.cc Tcp::waitAnySource only MSG_PEEKs the first frame waiting on each connection. When that
-// frame is a p2p message with another tag (sent earlier, to be received later), the message with
-// the wanted tag queued behind it is never seen: waitAnySource spins (poll returns at once, every
-// time) until its deadline and throws TimeoutError, although the message is there. torch's
-// recv(src=None, tag=t) after an unrelated earlier send(tag=u) from the same rank hits this.
-TEST_CASE("transport: waitAnySource finds a tag queued behind another tag's message", "[transport]") {
+TEST_CASE("transport: with a launcher's key nothing secret is in the store, and the store alone does not let in", "[transport][security]") {
+  tp::TcpOptions o = xirang_test::loopbackOptions();
+  o.key = tp::keyFromHex("00112233445566778899aabbccddeeff");
+  Group g(2, o);
+  CHECK_FALSE(g.store->has("xirang/secret"));
+  CHECK(g.store->has("xirang/group_id"));
+  connectAll(g);  // the members authenticate with the key
+  // A stranger with the store (the group id) but not the key: pretend the store's "secret" is a
+  // guess of the key; the listener refuses its MAC.
+  g.store->set("xirang/secret", "ffeeddccbbaa99887766554433221100");
+  const uint64_t before = g.tcp[0]->rejectedConnections();
+  int fd = fakeMember(*g.store, g.tcp[0]->address(), 1, 0, tp::Channel::Collective, /*verify_server=*/false);
+  CHECK(serverClosed(fd));
+  ::close(fd);
+  std::this_thread::sleep_for(milliseconds(50));
+  CHECK(g.tcp[0]->rejectedConnections() == before + 1);
+}
+
+TEST_CASE("transport: a liveness probe is answered without a warning", "[transport]") {
   Group g(2);
-  int src = -1;
-  std::string what;
-  g.run([&](int r) {
-    if (r == 1) {
-      uint32_t a = 55, b = 66;
-      std::vector<tp::SendJob> s{{0, p2pHeader(5, 1), {{&a, 4}}}, {0, p2pHeader(6, 1), {{&b, 4}}}};
-      std::vector<tp::RecvJob> v;
-      g.tcp[1]->exchange(s, v, after(milliseconds(5000)));
-      return;
-    }
-    g.tcp[0]->connectPeer(1, after(milliseconds(5000)));
-    std::this_thread::sleep_for(milliseconds(100));  // both messages are in our socket buffer
-    try {
-      src = g.tcp[0]->waitAnySource(after(milliseconds(500)), 6);
-    } catch (const tp::TransportError& e) {
-      what = e.what();
-    }
+  const uint64_t before = g.tcp[0]->rejectedConnections();
+  CHECK(g.tcp[1]->peerGone(0).empty());  // probes rank 0's listener
+  std::this_thread::sleep_for(milliseconds(100));
+  CHECK(g.tcp[0]->rejectedConnections() == before);
+  g.tcp[0]->close();
+  std::this_thread::sleep_for(milliseconds(600));  // peerGone probes a peer at most every 500 ms
+  CHECK(g.tcp[1]->peerGone(0).find("refuses connections") != std::string::npos);
+}
+
+TEST_CASE("transport: a peer that exits before it ever connected fails the exchange fast", "[transport]") {
+  const bool clean = GENERATE(true, false);
+  Group g(2);
+  // Rank 1 sends to rank 0 (its connection works), then waits to receive from rank 0, which
+  // leaves (cleanly or not) without ever connecting.
+  std::string msg;
+  const auto t0 = Clock::now();
+  std::thread leaver([&] {
+    std::this_thread::sleep_for(milliseconds(300));
+    if (clean) g.tcp[0]->leave();
+    g.tcp[0]->close();
   });
-  CAPTURE(what);
-  CHECK(src == 1);
+  try {
+    uint64_t mine = 1, theirs = 0;
+    std::vector<tp::SendJob> s{{0, hdr(tp::OpKind::Allreduce, 1, 1), {{&mine, 8}}}};
+    std::vector<tp::RecvJob> v{{0, hdr(tp::OpKind::Allreduce, 1, 1), {{&theirs, 8}}, nullptr}};
+    g.tcp[1]->exchange(s, v, after(milliseconds(30000)));
+  } catch (const tp::TransportError& e) {
+    msg = e.what();
+  }
+  leaver.join();
+  const double el = secondsSince(t0);
+  CAPTURE(msg, el);
+  CHECK(msg.find("rank 0") != std::string::npos);
+  CHECK(el < 3.0);
 }

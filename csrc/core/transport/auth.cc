@@ -2,7 +2,10 @@
 
 #include <sys/random.h>
 
+#include <cctype>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <stdexcept>
 
 namespace xirang::transport {
@@ -105,6 +108,80 @@ Key128 deriveKey(const Key128& k, uint64_t epoch) {
     std::memcpy(out.data() + 8 * half, &h, 8);
   }
   return out;
+}
+
+Key128 loadKeyFile(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw std::runtime_error("XIRANG_AUTH_KEY_FILE=" + path + ": cannot read the file: " + std::strerror(errno));
+  std::ostringstream buf;
+  buf << f.rdbuf();
+  std::string text = buf.str();
+  if (text.size() > 4096) throw std::runtime_error("XIRANG_AUTH_KEY_FILE=" + path + ": longer than a key file");
+  size_t b = 0, e = text.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(text[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(text[e - 1]))) --e;
+  try {
+    return keyFromHex(text.substr(b, e - b));
+  } catch (const std::invalid_argument&) {
+    throw std::runtime_error("XIRANG_AUTH_KEY_FILE=" + path +
+                             ": the file must hold a 128-bit key as 32 hex digits (e.g. python -c "
+                             "\"import secrets; print(secrets.token_hex(16))\")");
+  }
+}
+
+const char* channelName(Channel c) {
+  switch (c) {
+    case Channel::Collective: return "collective";
+    case Channel::P2P: return "point-to-point";
+    case Channel::Probe: return "probe";
+  }
+  return "unknown";
+}
+
+void encodeHello(const Hello& h, uint8_t out[kHelloBytes]) {
+  std::memset(out, 0, kHelloBytes);
+  std::memcpy(out, kHelloMagic, 4);
+  out[4] = static_cast<uint8_t>(h.version & 0xff);
+  out[5] = static_cast<uint8_t>(h.version >> 8);
+  out[6] = static_cast<uint8_t>(h.channel);
+  const uint32_t r = static_cast<uint32_t>(h.rank);
+  for (int i = 0; i < 4; ++i) out[8 + i] = static_cast<uint8_t>(r >> (8 * i));
+  for (int i = 0; i < 8; ++i) out[12 + i] = static_cast<uint8_t>(h.nonce >> (8 * i));
+}
+
+std::string parseHello(const uint8_t in[kHelloBytes], uint16_t wire_version, Hello* out) {
+  if (std::memcmp(in, kHelloMagic, 4) != 0) return "not a xirang peer (bad hello)";
+  Hello h;
+  h.version = static_cast<uint16_t>(in[4] | (in[5] << 8));
+  if (h.version != wire_version)
+    return "peer speaks wire version " + std::to_string(h.version) + ", this rank " + std::to_string(wire_version);
+  if (in[6] > static_cast<uint8_t>(Channel::Probe) || in[7] != 0) return "bad hello (unknown channel)";
+  h.channel = static_cast<Channel>(in[6]);
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>(in[8 + i]) << (8 * i);
+  h.rank = static_cast<int32_t>(r);
+  for (int i = 0; i < 8; ++i) h.nonce |= static_cast<uint64_t>(in[12 + i]) << (8 * i);
+  *out = h;
+  return "";
+}
+
+namespace {
+uint64_t handshakeMac(const Key128& key, uint64_t who, uint64_t group, Channel ch, uint64_t n1, uint64_t n2, int a,
+                      int b) {
+  const uint64_t msg[5] = {who | (static_cast<uint64_t>(ch) << 8), group, n1, n2,
+                           (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b)};
+  return siphash24(key, msg, sizeof(msg));
+}
+}  // namespace
+
+uint64_t serverMac(const Key128& key, uint64_t group, Channel ch, uint64_t cnonce, uint64_t snonce, int server,
+                   int client) {
+  return handshakeMac(key, 0x53, group, ch, cnonce, snonce, server, client);
+}
+
+uint64_t clientMac(const Key128& key, uint64_t group, Channel ch, uint64_t snonce, uint64_t cnonce, int client,
+                   int server) {
+  return handshakeMac(key, 0x43, group, ch, snonce, cnonce, client, server);
 }
 
 }  // namespace xirang::transport

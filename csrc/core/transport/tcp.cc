@@ -1,12 +1,7 @@
 #include "core/transport/tcp.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <ifaddrs.h>
-#include <net/if.h>
-#include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
@@ -28,7 +23,7 @@ namespace {
 
 // XIRANG_TEST_DIE_AFTER_SEGMENTS=k[@r] (test only): the process (only group rank r's, with @r)
 // kills itself, as a crashed machine would vanish, right after sending its k-th data frame with
-// a payload (#8's failure injection).
+// a payload (elastic mode's failure injection).
 void dieAfterSegmentsHook(int rank, uint64_t payload) {
   static const std::pair<int64_t, int> knob = [] {
     std::string v = env::get("XIRANG_TEST_DIE_AFTER_SEGMENTS");
@@ -45,284 +40,132 @@ void dieAfterSegmentsHook(int rank, uint64_t payload) {
   if (++sent >= knob.first) ::kill(::getpid(), SIGKILL);
 }
 
-constexpr uint8_t kHelloMagic[4] = {'X', 'R', 'H', 'S'};
-constexpr size_t kHelloBytes = 20;  // magic4 version2 channel1 pad1 rank4 nonce8
-
-std::string errnoStr(int e) { return std::strerror(e); }
-
-int msUntil(Deadline d) {
-  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(d - Clock::now()).count();
-  if (ms < 0) return 0;
-  if (ms > 1000000) return 1000000;
-  return static_cast<int>(ms) + 1;
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
 }
 
-void setNonBlocking(int fd, bool on) {
-  int flags = fcntl(fd, F_GETFL, 0);
-  fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
-}
-
-void tuneSocket(int fd) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-}
-
-// Reads or writes exactly n bytes on a non-blocking fd before the deadline.
-bool ioExact(int fd, void* buf, size_t n, bool write, Deadline deadline, std::string* why) {
-  uint8_t* p = static_cast<uint8_t*>(buf);
-  size_t done = 0;
-  while (done < n) {
-    ssize_t r = write ? ::send(fd, p + done, n - done, MSG_NOSIGNAL) : ::recv(fd, p + done, n - done, 0);
-    if (r > 0) {
-      done += static_cast<size_t>(r);
-      continue;
-    }
-    if (r == 0 && !write) {
-      *why = "connection closed";
-      return false;
-    }
-    if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      *why = errnoStr(errno);
-      return false;
-    }
-    pollfd pfd{fd, static_cast<short>(write ? POLLOUT : POLLIN), 0};
-    int t = msUntil(deadline);
-    if (t == 0 || ::poll(&pfd, 1, t) == 0) {
-      if (Clock::now() >= deadline) {
-        *why = "timed out";
-        return false;
-      }
-    }
+uint64_t fromHex64(const std::string& s) {
+  if (s.empty() || s.size() > 16) throw std::invalid_argument("xirang: bad group id '" + s + "' in the store");
+  uint64_t v = 0;
+  for (char c : s) {
+    int d = (c >= '0' && c <= '9') ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
+    if (d < 0) throw std::invalid_argument("xirang: bad group id '" + s + "' in the store");
+    v = v * 16 + static_cast<uint64_t>(d);
   }
-  return true;
+  return v;
 }
 
-std::string sockaddrToString(const sockaddr* sa) {
-  char host[INET6_ADDRSTRLEN] = {0};
-  if (sa->sa_family == AF_INET) {
-    auto* in = reinterpret_cast<const sockaddr_in*>(sa);
-    inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
-    return std::string(host) + ":" + std::to_string(ntohs(in->sin_port));
-  }
-  auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
-  inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
-  return "[" + std::string(host) + "]:" + std::to_string(ntohs(in6->sin6_port));
-}
-
-int bindListen(const sockaddr* sa, socklen_t len, std::string* address) {
-  int fd = ::socket(sa->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_storage ss{};
-  std::memcpy(&ss, sa, len);
-  if (ss.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&ss)->sin_port = 0;
-  if (ss.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(fd, 128) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  sockaddr_storage bound{};
-  socklen_t blen = sizeof(bound);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &blen);
-  *address = sockaddrToString(reinterpret_cast<sockaddr*>(&bound));
-  return fd;
-}
-
-void splitAddress(const std::string& a, std::string* host, std::string* port) {
-  auto colon = a.rfind(':');
-  if (colon == std::string::npos) throw std::invalid_argument("xirang: bad address " + a);
-  *host = a.substr(0, colon);
-  *port = a.substr(colon + 1);
-  if (host->size() >= 2 && host->front() == '[') *host = host->substr(1, host->size() - 2);
-}
+constexpr auto kProbeEvery = std::chrono::milliseconds(500);
 
 }  // namespace
-
-int listenOnInterface(const std::string& ifname, std::string* address) {
-  if (!ifname.empty()) {
-    ifaddrs* ifs = nullptr;
-    if (getifaddrs(&ifs) != 0) throw TransportError("xirang: getifaddrs failed: " + errnoStr(errno), -1);
-    int fd = -1;
-    for (int family : {AF_INET, AF_INET6}) {
-      for (ifaddrs* i = ifs; i != nullptr && fd < 0; i = i->ifa_next) {
-        if (!i->ifa_addr || ifname != i->ifa_name || i->ifa_addr->sa_family != family) continue;
-        socklen_t len = family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
-        fd = bindListen(i->ifa_addr, len, address);
-      }
-    }
-    freeifaddrs(ifs);
-    if (fd < 0)
-      throw TransportError("xirang: XIRANG_SOCKET_IFNAME=" + ifname +
-                               ": no IPv4/IPv6 address on that interface could be bound",
-                           -1);
-    return fd;
-  }
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  if (getaddrinfo(host, nullptr, &hints, &res) == 0) {
-    for (addrinfo* r = res; r != nullptr; r = r->ai_next) {
-      int fd = bindListen(r->ai_addr, r->ai_addrlen, address);
-      if (fd >= 0) {
-        freeaddrinfo(res);
-        return fd;
-      }
-    }
-    freeaddrinfo(res);
-  }
-  sockaddr_in lo{};
-  lo.sin_family = AF_INET;
-  lo.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  int fd = bindListen(reinterpret_cast<sockaddr*>(&lo), sizeof(lo), address);
-  if (fd < 0) throw TransportError("xirang: cannot listen on any address: " + errnoStr(errno), -1);
-  return fd;
-}
-
-int connectTo(const std::string& address, Deadline deadline, int peer, const std::function<void()>& between_tries) {
-  std::string host, port;
-  splitAddress(address, &host, &port);
-  std::string last = "no address";
-  // A peer publishes its address only once it listens, so connections refused for a while mean
-  // its listener is gone: the process exited or destroyed its group. Fail now, not at the
-  // deadline (a refusal can also be a full accept backlog for an instant: a short grace).
-  Clock::time_point refused_since{};
-  while (true) {
-    bool refused = false;
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* res = nullptr;
-    int gai = getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
-    if (gai != 0) {
-      last = gai_strerror(gai);
-    } else {
-      for (addrinfo* r = res; r != nullptr; r = r->ai_next) {
-        int fd = ::socket(r->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd < 0) {
-          last = errnoStr(errno);
-          continue;
-        }
-        setNonBlocking(fd, true);
-        int rc = ::connect(fd, r->ai_addr, r->ai_addrlen);
-        if (rc != 0 && errno == EINPROGRESS) {
-          pollfd pfd{fd, POLLOUT, 0};
-          if (::poll(&pfd, 1, std::min(msUntil(deadline), 5000)) == 1) {
-            int err = 0;
-            socklen_t el = sizeof(err);
-            getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
-            rc = err == 0 ? 0 : -1;
-            errno = err;
-          } else {
-            errno = ETIMEDOUT;
-          }
-        }
-        if (rc == 0) {
-          freeaddrinfo(res);
-          tuneSocket(fd);
-          setNonBlocking(fd, false);
-          return fd;
-        }
-        refused = refused || errno == ECONNREFUSED;
-        last = errnoStr(errno);
-        ::close(fd);
-      }
-      freeaddrinfo(res);
-    }
-    if (!refused) {
-      refused_since = {};
-    } else if (refused_since == Clock::time_point{}) {
-      refused_since = Clock::now();
-    } else if (Clock::now() - refused_since >= std::chrono::milliseconds(500)) {
-      throw TransportError("rank " + std::to_string(peer) + " at " + address +
-                               " refuses connections: its process exited or left the group",
-                           peer);
-    }
-    if (Clock::now() >= deadline) break;
-    if (between_tries) between_tries();
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // listener may still be starting
-  }
-  throw TimeoutError("cannot connect to rank " + std::to_string(peer) + " at " + address + ": " + last, peer);
-}
 
 Tcp::Tcp(int rank, int size, std::shared_ptr<Store> store, TcpOptions opts, Deadline deadline)
     : rank_(rank), size_(size), store_(std::move(store)), opts_(std::move(opts)) {
   if (size_ <= 1) return;
-  if (opts_.key) {
-    key_ = *opts_.key;
-  } else if (rank_ == 0) {
-    key_ = randomKey();
-    store_->set(opts_.key_prefix + "/secret", keyToHex(key_));
-  }
-  listen_fd_ = listenOnInterface(opts_.ifname, &address_);
-  if (::pipe2(wake_pipe_, O_CLOEXEC) != 0) {
-    ::close(listen_fd_);
-    throw TransportError("xirang: pipe failed: " + errnoStr(errno), -1);
-  }
-  if (rank_ != 0 && !opts_.key) {
+  const std::string& pre = opts_.key_prefix;
+  if (rank_ == 0) {
+    group_id_ = opts_.group_id ? *opts_.group_id : randomU64();
+    key_ = opts_.key ? *opts_.key : randomKey();
+    if (!opts_.group_id) store_->set(pre + "/group_id", hex64(group_id_));
+    if (!opts_.key) store_->set(pre + "/secret", keyToHex(key_));
+  } else {
     try {
-      key_ = keyFromHex(store_->get(opts_.key_prefix + "/secret", deadline));
+      group_id_ = opts_.group_id ? *opts_.group_id : fromHex64(store_->get(pre + "/group_id", deadline));
+      key_ = opts_.key ? *opts_.key : keyFromHex(store_->get(pre + "/secret", deadline));
     } catch (const std::exception& e) {
-      close();
-      throw TransportError(std::string("timed out waiting for rank 0's group secret in the store: ") + e.what(), 0);
+      throw TransportError(std::string("timed out waiting for rank 0's group id and secret in the store: ") + e.what(), 0);
     }
   }
-  accept_thread_ = std::thread([this] { acceptLoop(); });
-  store_->set(opts_.key_prefix + "/addr/" + std::to_string(rank_), address_);
+  int listen_fd = listenOnInterface(opts_.ifname, &address_);
+  Acceptor::Config ac;
+  ac.rank = rank_;
+  ac.size = size_;
+  ac.key = key_;
+  ac.group_id = group_id_;
+  ac.handshake_timeout = opts_.handshake_timeout;
+  ac.members = opts_.members;
+  acceptor_ = std::make_unique<Acceptor>(listen_fd, ac,
+                                         [this](Channel ch, int peer, int fd) { return onPeer(ch, peer, fd); });
+  store_->set(pre + "/addr/" + std::to_string(rank_), address_);
   env::log(env::Level::Info, rank_, "listening on " + address_);
 }
 
 Tcp::~Tcp() { close(); }
 
+std::string Tcp::onPeer(Channel channel, int peer, int fd) {
+  P2P* engine = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_) return "transport closed";
+    auto& fds = channel == Channel::P2P ? p2p_in_fds_ : in_fds_;
+    if (fds.count(peer))
+      return "rank " + std::to_string(peer) + " already has a " + channelName(channel) +
+             " connection here: a second one claiming that rank is refused";
+    fds[peer] = fd;
+    if (channel == Channel::P2P) {
+      if (!p2p_) p2p_ = std::make_unique<P2P>(rank_, size_, *this, opts_.p2p_limits);
+      engine = p2p_.get();
+    }
+  }
+  if (engine) engine->addIncoming(peer, fd);
+  cv_.notify_all();
+  return "";
+}
+
+P2P& Tcp::p2p() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) throw TransportError("transport closed: " + abort_reason_, -1);
+  if (!p2p_) p2p_ = std::make_unique<P2P>(rank_, size_, *this, opts_.p2p_limits);
+  return *p2p_;
+}
+
 void Tcp::close() {
   std::vector<int> fds;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (closed_ && !accept_thread_.joinable() && handshake_threads_.empty()) return;
     closed_ = true;
-    for (auto& kv : out_fds_) fds.push_back(kv.second);
-    for (auto& kv : in_fds_) fds.push_back(kv.second);
-    out_fds_.clear();
-    in_fds_.clear();
+    if (abort_reason_.empty()) abort_reason_ = "the process group was shut down";
+  }
+  cv_.notify_all();
+  if (acceptor_) acceptor_->stop();  // no connection is handed over after this
+  if (p2p_) p2p_->stop("transport closed: " + abort_reason_);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto* m : {&out_fds_, &in_fds_, &p2p_out_fds_, &p2p_in_fds_}) {
+      for (auto& kv : *m) fds.push_back(kv.second);
+      m->clear();
+    }
     fds.insert(fds.end(), dead_fds_.begin(), dead_fds_.end());
     dead_fds_.clear();
   }
-  cv_.notify_all();
-  if (wake_pipe_[1] >= 0) {
-    char c = 0;
-    (void)!::write(wake_pipe_[1], &c, 1);
-  }
-  if (accept_thread_.joinable()) accept_thread_.join();
-  std::vector<std::thread> hs;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    for (int fd : pending_fds_) ::shutdown(fd, SHUT_RDWR);  // fail pending handshakes now
-    hs.swap(handshake_threads_);
-  }
-  for (auto& t : hs) t.join();
   for (int fd : fds) {
     ::shutdown(fd, SHUT_RDWR);
     ::close(fd);
   }
-  if (listen_fd_ >= 0) ::close(listen_fd_);
-  listen_fd_ = -1;
-  for (int& p : wake_pipe_) {
-    if (p >= 0) ::close(p);
-    p = -1;
-  }
 }
 
 void Tcp::interrupt(const std::string& why) {
-  std::lock_guard<std::mutex> g(mu_);
-  if (abort_reason_.empty()) abort_reason_ = why.empty() ? "interrupted" : why;
-  closed_ = true;
-  for (auto& kv : out_fds_) ::shutdown(kv.second, SHUT_RDWR);
-  for (auto& kv : in_fds_) ::shutdown(kv.second, SHUT_RDWR);
-  for (int fd : pending_fds_) ::shutdown(fd, SHUT_RDWR);
+  P2P* engine = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (abort_reason_.empty()) abort_reason_ = why.empty() ? "interrupted" : why;
+    closed_ = true;
+    for (auto* m : {&out_fds_, &in_fds_, &p2p_out_fds_, &p2p_in_fds_})
+      for (auto& kv : *m) ::shutdown(kv.second, SHUT_RDWR);
+    engine = p2p_.get();
+  }
+  if (engine) engine->shutdown("transport closed: " + (why.empty() ? std::string("interrupted") : why));
   cv_.notify_all();
+}
+
+void Tcp::leave() {
+  if (!store_ || size_ <= 1) return;
+  try {
+    store_->set(opts_.key_prefix + "/exit/" + std::to_string(rank_), "left");
+  } catch (...) {  // best effort: the store may be gone with the rank that hosted it
+  }
 }
 
 void Tcp::checkStoreAbort(int peer) {
@@ -344,6 +187,71 @@ void Tcp::checkStoreAbort(int peer) {
   }
 }
 
+std::string Tcp::peerGone(int peer) {
+  int out_fd = -1;
+  bool probe = false;
+  const auto now = Clock::now();
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_) return "transport closed: " + abort_reason_;
+    auto gi = gone_.find(peer);
+    if (gi != gone_.end()) return gi->second;
+    // Our connections to it, closed by the peer? (a peek never blocks; under mu_ so that close()
+    // cannot recycle the fd meanwhile)
+    for (auto* m : {&out_fds_, &p2p_out_fds_}) {
+      auto it = m->find(peer);
+      if (it == m->end()) continue;
+      uint8_t b;
+      if (::recv(it->second, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0) out_fd = it->second;
+    }
+    auto& last = last_probe_[peer];
+    if (now - last >= kProbeEvery) {
+      last = now;
+      probe = true;
+    }
+  }
+  const std::string who = "rank " + std::to_string(peer);
+  std::string why;
+  std::string addr;
+  try {
+    const std::string& pre = opts_.key_prefix;
+    if (store_->check(pre + "/abort")) return "the group was aborted: " + store_->get(pre + "/abort", now + std::chrono::seconds(5));
+    if (store_->check(pre + "/exit/" + std::to_string(peer)))
+      why = who + " left the group (destroy_process_group or exit)";
+    else if (probe && store_->check(pre + "/addr/" + std::to_string(peer)))
+      addr = store_->get(pre + "/addr/" + std::to_string(peer), now + std::chrono::seconds(5));
+  } catch (const std::exception& e) {
+    return std::string("the store is unreachable (") + e.what() + ")";
+  }
+  if (why.empty() && out_fd >= 0) why = who + " closed its connection to this rank (its process exited or left the group)";
+  if (why.empty() && !addr.empty()) {
+    int fd = -1;
+    const int alive = probeConnect(addr, std::chrono::milliseconds(100), &fd);
+    if (alive == 0) why = who + " at " + addr + " refuses connections: its process exited or left the group";
+    if (alive == 1) {  // say what this is, so its listener closes it without a warning
+      Hello h;
+      h.version = kWireVersion;
+      h.channel = Channel::Probe;
+      h.rank = rank_;
+      uint8_t buf[kHelloBytes];
+      encodeHello(h, buf);
+      (void)!::send(fd, buf, sizeof(buf), MSG_NOSIGNAL | MSG_DONTWAIT);
+      ::close(fd);
+    }
+  }
+  if (!why.empty()) {
+    std::lock_guard<std::mutex> g(mu_);
+    gone_[peer] = why;
+  }
+  return why;
+}
+
+void Tcp::checkPeer(int peer) {
+  checkStoreAbort(peer);
+  std::string why = peerGone(peer);
+  if (!why.empty()) throw TransportError(why + ", before it connected to this rank", peer);
+}
+
 void Tcp::abort(const std::string& why) {
   if (store_ && size_ > 1) {
     try {  // best effort: the store may be gone with the rank that hosted it
@@ -355,8 +263,8 @@ void Tcp::abort(const std::string& why) {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (abort_reason_.empty()) abort_reason_ = why.empty() ? "aborted" : why;
-    for (auto& kv : out_fds_) fds.push_back(kv.second);
-    for (auto& kv : in_fds_) fds.push_back(kv.second);
+    for (auto* m : {&out_fds_, &in_fds_, &p2p_out_fds_, &p2p_in_fds_})
+      for (auto& kv : *m) fds.push_back(kv.second);
   }
   std::string msg = why.substr(0, kMaxAbortMessage);
   FrameHeader h;
@@ -373,94 +281,7 @@ void Tcp::abort(const std::string& why) {
   close();
 }
 
-void Tcp::acceptLoop() {
-  while (true) {
-    pollfd pfds[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
-    int r = ::poll(pfds, 2, -1);
-    if (r < 0 && errno == EINTR) continue;
-    if (pfds[1].revents != 0) return;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (closed_) return;
-    }
-    if (!(pfds[0].revents & POLLIN)) continue;
-    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    tuneSocket(fd);
-    setNonBlocking(fd, true);
-    // Each handshake runs on its own thread, so a silent stranger cannot hold up the members'
-    // connections; close() shuts pending sockets down and joins these threads.
-    std::lock_guard<std::mutex> g(mu_);
-    if (closed_) {
-      ::close(fd);
-      return;
-    }
-    pending_fds_.insert(fd);
-    handshake_threads_.emplace_back([this, fd] { finishAccept(fd); });
-  }
-}
-
-void Tcp::finishAccept(int fd) {
-  int peer = -1;
-  std::string why;
-  bool ok = serverHandshake(fd, &peer, &why);
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    pending_fds_.erase(fd);
-    if (!ok || closed_) {
-      if (!ok && !closed_) env::log(env::Level::Warn, rank_, "rejected a connection: " + why);
-      ::close(fd);
-      return;
-    }
-    auto it = in_fds_.find(peer);
-    if (it != in_fds_.end()) dead_fds_.push_back(it->second);
-    in_fds_[peer] = fd;
-  }
-  cv_.notify_all();
-}
-
-bool Tcp::serverHandshake(int fd, int* peer_out, std::string* why) {
-  Deadline deadline = Clock::now() + opts_.handshake_timeout;
-  uint8_t hello[kHelloBytes];
-  if (!ioExact(fd, hello, sizeof(hello), false, deadline, why)) return false;
-  if (std::memcmp(hello, kHelloMagic, 4) != 0) {
-    *why = "not a xirang peer (bad hello)";
-    return false;
-  }
-  uint16_t version;
-  int32_t peer;
-  uint64_t cnonce;
-  std::memcpy(&version, hello + 4, 2);
-  std::memcpy(&peer, hello + 8, 4);
-  std::memcpy(&cnonce, hello + 12, 8);
-  if (version != kWireVersion) {
-    *why = "peer speaks wire version " + std::to_string(version) + ", this rank " + std::to_string(kWireVersion);
-    return false;
-  }
-  if (peer < 0 || peer >= size_ || peer == rank_) {
-    *why = "peer claims invalid rank " + std::to_string(peer);
-    return false;
-  }
-  if (!opts_.members.empty() && std::find(opts_.members.begin(), opts_.members.end(), peer) == opts_.members.end()) {
-    *why = "rank " + std::to_string(peer) + " is not a live member of this epoch (it was declared dead)";
-    return false;
-  }
-  uint64_t snonce = randomU64();
-  uint64_t msg[4] = {0x53ULL, cnonce, snonce, (static_cast<uint64_t>(rank_) << 32) | static_cast<uint32_t>(peer)};
-  uint64_t reply[2] = {snonce, siphash24(key_, msg, sizeof(msg))};
-  if (!ioExact(fd, reply, sizeof(reply), true, deadline, why)) return false;
-  uint64_t cmac;
-  if (!ioExact(fd, &cmac, sizeof(cmac), false, deadline, why)) return false;
-  uint64_t expect[4] = {0x43ULL, snonce, cnonce, (static_cast<uint64_t>(peer) << 32) | static_cast<uint32_t>(rank_)};
-  if (cmac != siphash24(key_, expect, sizeof(expect))) {
-    *why = "peer claiming rank " + std::to_string(peer) + " failed authentication (not in this group)";
-    return false;
-  }
-  *peer_out = peer;
-  return true;
-}
-
-int Tcp::clientConnect(int peer, Deadline deadline) {
+int Tcp::clientConnect(int peer, Deadline deadline, Channel channel) {
   const std::string addr_key = opts_.key_prefix + "/addr/" + std::to_string(peer);
   // Poll rather than block in the store until the deadline: an abort or interrupt must end the
   // wait for a peer that will never publish its address.
@@ -474,34 +295,42 @@ int Tcp::clientConnect(int peer, Deadline deadline) {
   int fd = connectTo(addr, deadline, peer, [this, peer] { checkStoreAbort(peer); });
   setNonBlocking(fd, true);
   Deadline hs = std::min(deadline, Clock::now() + opts_.handshake_timeout);
-  uint8_t hello[kHelloBytes] = {0};
-  std::memcpy(hello, kHelloMagic, 4);
-  uint16_t version = kWireVersion;
-  int32_t me = rank_;
-  uint64_t cnonce = randomU64();
-  std::memcpy(hello + 4, &version, 2);
-  std::memcpy(hello + 8, &me, 4);
-  std::memcpy(hello + 12, &cnonce, 8);
+  Hello hello;
+  hello.version = kWireVersion;
+  hello.channel = channel;
+  hello.rank = rank_;
+  hello.nonce = randomU64();
+  uint8_t hbuf[kHelloBytes];
+  encodeHello(hello, hbuf);
   std::string why;
   uint64_t reply[2];
-  if (!ioExact(fd, hello, sizeof(hello), true, hs, &why) || !ioExact(fd, reply, sizeof(reply), false, hs, &why)) {
+  if (!ioExact(fd, hbuf, sizeof(hbuf), true, hs, &why) || !ioExact(fd, reply, sizeof(reply), false, hs, &why)) {
     ::close(fd);
     throw TransportError("handshake with rank " + std::to_string(peer) + " at " + addr + " failed: " + why, peer);
   }
-  uint64_t smsg[4] = {0x53ULL, cnonce, reply[0], (static_cast<uint64_t>(peer) << 32) | static_cast<uint32_t>(rank_)};
-  if (reply[1] != siphash24(key_, smsg, sizeof(smsg))) {
+  if (reply[1] != serverMac(key_, group_id_, channel, hello.nonce, reply[0], peer, rank_)) {
     ::close(fd);
     throw TransportError("rank " + std::to_string(peer) + " at " + addr +
                              " failed authentication (a process outside this group?)",
                          peer);
   }
-  uint64_t cmsg[4] = {0x43ULL, reply[0], cnonce, (static_cast<uint64_t>(rank_) << 32) | static_cast<uint32_t>(peer)};
-  uint64_t cmac = siphash24(key_, cmsg, sizeof(cmsg));
+  uint64_t cmac = clientMac(key_, group_id_, channel, reply[0], hello.nonce, rank_, peer);
   if (!ioExact(fd, &cmac, sizeof(cmac), true, hs, &why)) {
     ::close(fd);
     throw TransportError("handshake with rank " + std::to_string(peer) + " failed: " + why, peer);
   }
-  env::log(env::Level::Info, rank_, "connected to rank " + std::to_string(peer) + " at " + addr);
+  if (channel == Channel::P2P) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_) {
+      ::close(fd);
+      throw TransportError("transport closed: " + abort_reason_, peer);
+    }
+    auto it = p2p_out_fds_.find(peer);
+    if (it != p2p_out_fds_.end()) dead_fds_.push_back(it->second);  // a failed earlier stream
+    p2p_out_fds_[peer] = fd;
+  }
+  env::log(env::Level::Info, rank_,
+           "connected to rank " + std::to_string(peer) + " at " + addr + " (" + channelName(channel) + ")");
   return fd;
 }
 
@@ -512,7 +341,7 @@ int Tcp::outgoing(int peer, Deadline deadline) {
     auto it = out_fds_.find(peer);
     if (it != out_fds_.end()) return it->second;
   }
-  int fd = clientConnect(peer, deadline);
+  int fd = clientConnect(peer, deadline, Channel::Collective);
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) {
     ::close(fd);
@@ -530,72 +359,24 @@ int Tcp::tryIncoming(int peer) {
 }
 
 int Tcp::incoming(int peer, Deadline deadline) {
-  std::unique_lock<std::mutex> g(mu_);
   while (true) {
-    if (closed_) throw TransportError("transport closed: " + abort_reason_, peer);
-    auto it = in_fds_.find(peer);
-    if (it != in_fds_.end()) return it->second;
-    if (cv_.wait_until(g, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
-      throw TimeoutError("timed out waiting for rank " + std::to_string(peer) + " to connect", peer);
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      auto until = std::min(deadline, Clock::now() + std::chrono::milliseconds(200));
+      cv_.wait_until(g, until, [&] { return closed_ || in_fds_.count(peer) != 0; });
+      if (closed_) throw TransportError("transport closed: " + abort_reason_, peer);
+      auto it = in_fds_.find(peer);
+      if (it != in_fds_.end()) return it->second;
+      if (Clock::now() >= deadline)
+        throw TimeoutError("timed out waiting for rank " + std::to_string(peer) + " to connect", peer);
     }
+    checkPeer(peer);
   }
 }
 
 void Tcp::connectPeer(int peer, Deadline deadline) {
   outgoing(peer, deadline);
   incoming(peer, deadline);
-}
-
-int Tcp::waitAnySource(Deadline deadline, uint32_t tag) {
-  for (auto& [peer, msgs] : stash_)
-    for (auto& m : msgs)
-      if (m.header.tag == tag) return peer;
-  while (true) {
-    std::vector<std::pair<int, int>> fds;  // (peer, fd)
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (closed_) throw TransportError("transport closed: " + abort_reason_, -1);
-      for (auto& kv : in_fds_) fds.push_back(kv);
-    }
-    std::vector<pollfd> pfds;
-    for (auto& pf : fds) pfds.push_back({pf.second, POLLIN, 0});
-    int t = std::min(msUntil(deadline), 100);
-    int r = pfds.empty() ? 0 : ::poll(pfds.data(), pfds.size(), t);
-    if (pfds.empty()) {
-      std::unique_lock<std::mutex> g(mu_);
-      cv_.wait_for(g, std::chrono::milliseconds(t));
-    }
-    for (size_t i = 0; r > 0 && i < pfds.size(); ++i) {
-      if (!(pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      uint8_t hdr[kHeaderBytes];
-      ssize_t got = ::recv(pfds[i].fd, hdr, sizeof(hdr), MSG_PEEK);
-      if (got == 0) throw TransportError("rank " + std::to_string(fds[i].first) + " closed the connection", fds[i].first);
-      if (got == static_cast<ssize_t>(sizeof(hdr))) {
-        FrameHeader h = decodeHeader(hdr);
-        if (h.kind == FrameKind::Abort || (h.kind == FrameKind::Data && h.op == OpKind::Send && h.tag == tag))
-          return fds[i].first;
-        if (h.magic == kMagic && h.kind == FrameKind::Data && h.op == OpKind::Send) {
-          // A message with another tag is in front: keep it for its own receive and look again.
-          if (stash_bytes_ + h.payload_bytes > kMaxStashBytes)
-            throw TransportError("more than 1 GiB of point-to-point messages from rank " +
-                                     std::to_string(fds[i].first) + " arrived ahead of their receives",
-                                 fds[i].first);
-          Stashed m;
-          m.header = h;
-          m.payload.resize(h.payload_bytes);
-          std::string why;
-          if (!ioExact(pfds[i].fd, hdr, sizeof(hdr), false, deadline, &why) ||
-              !ioExact(pfds[i].fd, m.payload.data(), m.payload.size(), false, deadline, &why))
-            throw TransportError("receive from rank " + std::to_string(fds[i].first) + " failed: " + why,
-                                 fds[i].first);
-          stash_bytes_ += m.payload.size();
-          stash_[fds[i].first].push_back(std::move(m));
-          return waitAnySource(deadline, tag);
-        }
-      }
-    }
-    if (Clock::now() >= deadline) throw TimeoutError("timed out waiting for a message from any rank", -1);
-  }
 }
 
 namespace {
@@ -617,7 +398,7 @@ struct OutStream {
   int peer;
   std::vector<OutFrame> frames;
   size_t cur = 0;
-  uint8_t hdr[kHeaderBytes];
+  uint8_t hdr[kHeaderBytes] = {};
   size_t hdr_off = 0;
   uint64_t pay_off = 0;
   bool hdr_ready = false;
@@ -629,13 +410,11 @@ struct InStream {
   int peer;
   std::vector<InFrame> frames;
   size_t cur = 0;
-  uint8_t hdr[kHeaderBytes];
+  uint8_t hdr[kHeaderBytes] = {};
   size_t hdr_off = 0;
   uint64_t pay_off = 0;
   bool hdr_ok = false;
   uint64_t bytes_done = 0;
-  bool stashing = false;  // reading a p2p message with another tag into the stash
-  Tcp::Stashed stash;
 };
 
 [[noreturn]] void throwAbortFrom(int fd, int peer, const uint8_t* hdr) {
@@ -655,7 +434,7 @@ int64_t sendThreadBytes() {
 
 // Data on a connection we only send on: the peer is telling us it aborted, or it closed.
 [[noreturn]] void readBackChannel(int fd, int peer) {
-  uint8_t hdr[kHeaderBytes];
+  uint8_t hdr[kHeaderBytes] = {};
   std::string why;
   if (ioExact(fd, hdr, sizeof(hdr), false, Clock::now() + std::chrono::milliseconds(200), &why)) {
     FrameHeader h = decodeHeader(hdr);
@@ -668,7 +447,7 @@ int64_t sendThreadBytes() {
 // Reads the back channel of a connection we only send on. Throws if it carries an abort frame;
 // returns false when the peer closed it (or anything else arrived), true if nothing is there.
 bool readAbortIfAny(int fd, int peer) {
-  uint8_t hdr[kHeaderBytes];
+  uint8_t hdr[kHeaderBytes] = {};
   ssize_t got = ::recv(fd, hdr, sizeof(hdr), MSG_PEEK | MSG_DONTWAIT);
   if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
   if (got > 0) {
@@ -724,20 +503,6 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
     for (size_t s = 0; s < job.segs.size(); ++s) {
       FrameHeader h = job.expect;
       h.payload_bytes = job.segs[s].bytes;
-      if (h.op == OpKind::Send) {
-        // A message with this tag may have arrived while an earlier receive waited for another.
-        auto& msgs = stash_[job.peer];
-        auto m = std::find_if(msgs.begin(), msgs.end(), [&](const Stashed& x) { return x.header.tag == h.tag; });
-        if (m != msgs.end()) {
-          std::string diff = compareHeader(h, m->header, job.peer);
-          if (!diff.empty()) throw MismatchError(diff, job.peer);
-          if (h.payload_bytes) std::memcpy(job.segs[s].data, m->payload.data(), h.payload_bytes);
-          stash_bytes_ -= m->payload.size();
-          msgs.erase(m);
-          if (job.on_segment) job.on_segment(s);
-          continue;
-        }
-      }
       it->frames.push_back({h, static_cast<uint8_t*>(job.segs[s].data), job.segs[s].bytes, j, s});
     }
   }
@@ -881,7 +646,7 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
       if (Clock::now() - last_store_check > std::chrono::milliseconds(200)) {
         last_store_check = Clock::now();
         for (auto& in : ins)
-          if (in.fd < 0) checkStoreAbort(in.peer);
+          if (in.fd < 0) checkPeer(in.peer);
       }
     }
     int r = t == 0 ? 0 : ::poll(pfds.data(), pfds.size(), t);
@@ -927,37 +692,11 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
               if (s.hdr_off == kHeaderBytes) {
                 FrameHeader h = decodeHeader(s.hdr);
                 if (h.magic == kMagic && h.kind == FrameKind::Abort) throwAbortFrom(s.fd, s.peer, s.hdr);
-                if (h.magic == kMagic && h.kind == FrameKind::Data && h.op == OpKind::Send &&
-                    f.expect.op == OpKind::Send && h.tag != f.expect.tag) {
-                  // A message for a later receive: keep it and read on.
-                  if (stash_bytes_ + h.payload_bytes > kMaxStashBytes)
-                    throw TransportError("more than 1 GiB of point-to-point messages from rank " +
-                                             std::to_string(s.peer) + " arrived ahead of their receives",
-                                         s.peer);
-                  s.stashing = true;
-                  s.stash.header = h;
-                  s.stash.payload.resize(h.payload_bytes);
-                }
-                if (!s.stashing) {
-                  std::string diff = compareHeader(f.expect, h, s.peer);
-                  if (!diff.empty()) throw MismatchError(diff, s.peer);
-                }
+                std::string diff = compareHeader(f.expect, h, s.peer);
+                if (!diff.empty()) throw MismatchError(diff, s.peer);
                 s.hdr_ok = true;
                 s.pay_off = 0;
               }
-            }
-          } else if (s.stashing) {
-            uint64_t want = s.stash.payload.size() - s.pay_off;
-            got = want ? ::recv(s.fd, s.stash.payload.data() + s.pay_off, static_cast<size_t>(want), 0) : 1;
-            if (want && got > 0) s.pay_off += static_cast<uint64_t>(got);
-            if (got > 0 && s.pay_off == s.stash.payload.size()) {
-              stash_bytes_ += s.stash.payload.size();
-              stash_[s.peer].push_back(std::move(s.stash));
-              s.stash = Stashed{};
-              s.stashing = false;
-              s.hdr_ok = false;
-              s.hdr_off = 0;
-              continue;
             }
           } else if (s.pay_off < f.bytes) {
             got = ::recv(s.fd, f.data + s.pay_off, static_cast<size_t>(f.bytes - s.pay_off), 0);
@@ -971,7 +710,7 @@ void Tcp::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Dea
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
             throw TransportError("receive from rank " + std::to_string(s.peer) + " failed: " + errnoStr(errno), s.peer);
           }
-          if (s.hdr_ok && !s.stashing && s.pay_off == f.bytes) {
+          if (s.hdr_ok && s.pay_off == f.bytes) {
             s.bytes_done += f.bytes;
             s.cur++;
             if (timings && s.cur == s.frames.size()) timings->push_back({s.peer, false, elapsed(), s.bytes_done});
