@@ -1396,20 +1396,82 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather(std::vector<std::ve
                  toDType(in.scalar_type()), ReduceOp::None, static_cast<uint64_t>(in.numel()), opts.timeout, fn);
 }
 
+// all_gather_coalesced: outputs[r][i] receives rank r's inputs[i] (torch's documented layout and
+// gloo's: one list per rank, each of len(inputs) tensors). One operation: this rank's inputs are
+// packed, back to back, into one byte block (they may differ in shape, and in dtype too, as
+// torch's complex-as-real rule allows), one ring allgather moves every rank's block, and block r
+// is unpacked into outputs[r]. As torch documents, shapes are not compared across ranks; the
+// ranks' total element counts and bytes are. Future value: every output, outputs[0][0] first
+// (rank-major).
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                        std::vector<at::Tensor>& inputs,
                                                                        const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "xirang rank ", rank_, ": allgather_coalesced: ", outputs.size(),
-              " output lists for ", inputs.size(), " inputs");
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    std::vector<std::vector<at::Tensor>> o{outputs[i]};
-    std::vector<at::Tensor> in{inputs[i]};
-    works.push_back(allgather(o, in, opts));
+#ifdef XIRANG_WITH_CUDA
+  bool cuda = anyCuda(inputs);
+  for (const auto& l : outputs) cuda = cuda || anyCuda(l);
+  if (cuda) {
+    auto st = newStage(cuda_streams_);
+    std::vector<std::vector<at::Tensor>> o(outputs.size());
+    std::vector<at::Tensor> i;
+    for (size_t k = 0; k < outputs.size(); ++k)
+      for (auto& t : outputs[k]) o[k].push_back(st->add(t, false, true));
+    for (auto& t : inputs) i.push_back(st->add(t, true, false));
+    PendingStage pending(st);
+    return allgather_coalesced(o, i, opts);
   }
-  return works.empty() ? enqueue(c10d::OpType::ALLGATHER_COALESCED, "xirang:all_gather_coalesced", OpKind::Barrier,
-                                 {}, {}, DType::UInt8, ReduceOp::None, 0, opts.timeout, [](OpCtx&) {})
-                       : works.back();
+#endif
+  TORCH_CHECK(static_cast<int>(outputs.size()) == size_, "xirang rank ", rank_, ": allgather_coalesced: got ",
+              outputs.size(), " output lists, expected one per rank (world size ", size_,
+              "): output_tensor_lists[r][i] receives rank r's input i");
+  checkTensors(rank_, "allgather_coalesced", inputs);
+  uint64_t bytes = 0, numel = 0;
+  bool one_dtype = true;
+  for (const auto& in : inputs) {
+    bytes += nbytes(in);
+    numel += static_cast<uint64_t>(in.numel());
+    one_dtype = one_dtype && in.scalar_type() == inputs[0].scalar_type();
+  }
+  std::vector<at::Tensor> flat_outs;
+  for (int r = 0; r < size_; ++r) {
+    TORCH_CHECK(outputs[r].size() == inputs.size(), "xirang rank ", rank_, ": allgather_coalesced: output list ", r,
+                " has ", outputs[r].size(), " tensors for ", inputs.size(), " inputs");
+    checkTensors(rank_, "allgather_coalesced", outputs[r]);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& o = outputs[r][i];
+      checkSameType(rank_, "allgather_coalesced", inputs[i], o);
+      TORCH_CHECK(o.numel() == inputs[i].numel(), "xirang rank ", rank_, ": allgather_coalesced: output [", r, "][", i,
+                  "] has ", o.numel(), " elements, input ", i, " has ", inputs[i].numel());
+      flat_outs.push_back(o);
+    }
+  }
+  auto fn = [this, ins = inputs, outs = outputs, bytes](OpCtx& ctx) {
+    at::Tensor flat = at::empty({static_cast<int64_t>(bytes) * size_}, at::TensorOptions().dtype(at::kByte));
+    uint8_t* base = flat.data_ptr<uint8_t>();
+    uint64_t off = 0;
+    for (const auto& in : ins) {
+      const uint64_t b = nbytes(in);
+      if (b) std::memcpy(base + bytes * rank_ + off, in.contiguous().data_ptr(), b);
+      off += b;
+    }
+    std::vector<RecvSeg> blocks;
+    for (int r = 0; r < size_; ++r) blocks.push_back(RecvSeg{base + bytes * r, bytes});
+    xirang::allgather(comm_, ctx, blocks);
+    for (int r = 0; r < size_; ++r) {
+      off = 0;
+      for (const auto& o : outs[r]) {
+        const uint64_t b = nbytes(o);
+        if (b) {
+          at::Tensor dst = o.is_contiguous() ? o : at::empty_like(o, at::MemoryFormat::Contiguous);
+          std::memcpy(dst.data_ptr(), base + bytes * r + off, b);
+          if (!dst.is_same(o)) o.copy_(dst);
+        }
+        off += b;
+      }
+    }
+  };
+  const DType dtype = inputs.empty() ? DType::Bytes : one_dtype ? toDType(inputs[0].scalar_type()) : DType::Bytes;
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "xirang:all_gather_coalesced", OpKind::Allgather, flat_outs,
+                 inputs, dtype, ReduceOp::None, numel, opts.timeout, fn);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,

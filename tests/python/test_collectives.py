@@ -334,6 +334,91 @@ def test_all_gather_into_tensor_coalesced(backend, ws, dtype, pool):
             assert bitwise_equal(res[r][i], want), f"coalesced all_gather[{i}] wrong on rank {r}"
 
 
+# ---------------------------------------------------------------------- all_gather_coalesced
+# output_tensor_lists[r][i] receives rank r's input i (torch's documented layout, gloo's). Cases:
+# (shape, dtype) per input; shapes differ within a call, empty and 0-dim tensors among them, and
+# complex64 next to float32 (torch's one dtype mix: it sends complex tensors as their real view).
+AGC_CASES = {
+    "one": [((7,), "float32")],
+    "two": [((2,), "float32"), ((3,), "float32")],
+    "five_shapes": [((), "float32"), ((3, 4), "float32"), ((0,), "float32"), ((2, 0, 3), "float32"), ((5,), "float32")],
+    "complex_real": [((4,), "complex64"), ((3,), "float32"), ((0,), "complex64"), ((2, 2), "complex64")],
+    "all_empty": [((0,), "int64"), ((0, 4), "int64")],
+    "int64": [((1,), "int64"), ((2, 3), "int64"), ((0,), "int64"), ((4,), "int64"), ((3,), "int64")],
+    "bool": [((9,), "bool"), ((1,), "bool"), ((2, 2), "bool")],
+    "bf16": [((5,), "bfloat16"), ((1, 1), "bfloat16")],
+}
+
+
+def _agc_input(src, case, i):
+    shape, dtype = AGC_CASES[case][i]
+    return make_input(src, shape, dtype, "MOVE", f"agco-{case}-{i}")
+
+
+def w_all_gather_coalesced(case, async_op=False):
+    ins = [_agc_input(rank(), case, i) for i in range(len(AGC_CASES[case]))]
+    outs = [[torch.zeros_like(t) for t in ins] for _ in range(size())]
+    fut = dist.all_gather_coalesced(outs, ins, group=mp_pool.group(), async_op=async_op)
+    if async_op:
+        fut.wait()  # async_op=True returns the Work's Future
+    return outs
+
+
+def _check_agc(res, ws, case, what):
+    for r in range(ws):
+        assert len(res[r]) == ws, f"{what}: rank {r} has {len(res[r])} output lists"
+        for src in range(ws):
+            for i in range(len(AGC_CASES[case])):
+                got, want = res[r][src][i], _agc_input(src, case, i)
+                assert got.shape == want.shape and bitwise_equal(got.reshape(-1), want.reshape(-1)), \
+                    f"{what}: rank {r} output[{src}][{i}] is not rank {src}'s input {i}"
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3, 8])
+@pytest.mark.parametrize("case", list(AGC_CASES))
+def test_all_gather_coalesced(backend, ws, case, pool):
+    _check_agc(pool.run(w_all_gather_coalesced, case), ws, case, backend)
+    g = also_gloo(pool, backend, "all_gather_coalesced", "float32", None, w_all_gather_coalesced, case)
+    if g is not None:
+        _check_agc(g, ws, case, "gloo")
+
+
+@pytest.mark.parametrize("ws", [3])
+@pytest.mark.parametrize("case", ["five_shapes", "complex_real"])
+def test_all_gather_coalesced_async(backend, ws, case, pool):
+    """The Future of async_op=True completes once every input has been gathered."""
+    _check_agc(pool.run(w_all_gather_coalesced, case, True), ws, case, f"{backend} async")
+
+
+def w_all_gather_coalesced_issue():
+    ins = [torch.full((2,), 10.0 * rank() + i) for i in range(2)]
+    outs = [[torch.empty(2) for _ in ins] for _ in range(size())]
+    dist.all_gather_coalesced(outs, ins, group=mp_pool.group())
+    return [[o[0].item() for o in lst] for lst in outs]
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_all_gather_coalesced_issue_layout(backend, ws, pool):
+    """Issue #15 item 7: rank r sends [10r, 10r + 1]; every rank gets [[0, 1], [10, 11]]."""
+    for r, got in enumerate(pool.run(w_all_gather_coalesced_issue)):
+        assert got == [[0.0, 1.0], [10.0, 11.0]], f"rank {r}: {got}"
+
+
+def w_all_gather_coalesced_bad_lists():
+    ins = [torch.ones(2), torch.ones(3)]
+    outs = [[torch.empty(2), torch.empty(3)] for _ in range(size() - 1)]  # one list short
+    return mp_pool.capture(dist.all_gather_coalesced, outs, ins, group=mp_pool.group())
+
+
+@pytest.mark.parametrize("ws", [3])
+def test_all_gather_coalesced_wrong_list_count(backend, ws, pool):
+    """world_size - 1 output lists: a RuntimeError on every rank (raised before anything is sent)."""
+    for r, e in enumerate(pool.run(w_all_gather_coalesced_bad_lists)):
+        assert isinstance(e, mp_pool.ExcInfo) and e.is_runtime_error, f"rank {r}: {e!r}"
+        assert "output lists" in e.message, f"rank {r}: {e.message}"
+    _check_agc(pool.run(w_all_gather_coalesced, "two"), ws, "two", f"{backend} after the error")
+
+
 def w_gather(dtype, n):
     out = []
     for root in range(size()):
