@@ -1727,6 +1727,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::barrier(const c10d::BarrierOp
                  opts.timeout, fn);
 }
 
+void ProcessGroupXirang::setSequenceNumberForGroup() {}  // every rank starts at 0: nothing to agree on
+
+uint64_t ProcessGroupXirang::getSequenceNumberForGroup() { return seq_; }
+
 // ---------------------------------------------------------------- point to point
 
 // Point-to-point messages travel on the same ordered connections as collectives, as one framed
