@@ -268,6 +268,9 @@ class ProcessGroupXirang : public c10d::Backend {
     std::function<std::function<void()>()> save;
   };
 
+  // allreduce of one sparse COO CPU tensor (ReduceOp.SUM only, as gloo); see the .cc.
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
+
   // Prepares an Op and queues it; returns its Work.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, transport::OpKind kind,
                                          std::vector<at::Tensor> outputs, const std::vector<at::Tensor>& inputs,
