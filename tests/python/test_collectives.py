@@ -197,7 +197,7 @@ def _check_sparse(res, ws, case, dtype, what):
         assert shape == sizes and coalesced, f"{what} rank {r}: shape {shape}, coalesced {coalesced}"
         assert torch.equal(idx, rows), f"{what} rank {r}: rows {idx.tolist()}, want {rows.tolist()}"
         assert val.dtype == dt(dtype) and val.shape == (rows.shape[1], *sizes[idx.shape[0]:]), f"{what} rank {r}"
-        got = torch.sparse_coo_tensor(idx, val, sizes).to_dense().to(torch.float64)
+        got = torch.sparse_coo_tensor(idx, val, sizes, check_invariants=True).to_dense().to(torch.float64)
         if dt(dtype).is_floating_point:
             tol = (terms - 1).clamp_min(0) * torch.finfo(dt(dtype)).eps * scale
             err = (got - ref).abs()
