@@ -1,14 +1,19 @@
 #include "backend/process_group_xirang.h"
 
 #include <ATen/ThreadLocalState.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <charconv>
+#include <climits>
+#include <cstdint>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <utility>
 
 #include "core/codec.h"
@@ -1117,13 +1122,15 @@ void checkTensors(int rank, const char* op, const std::vector<at::Tensor>& ts, b
       }
       TORCH_CHECK(false, "xirang rank ", rank, ": ", op,
                   ": CUDA tensors are not supported by this operation yet (the host-staged CUDA path covers "
-                  "all_reduce, all_reduce_coalesced, broadcast, reduce, all_gather, all_gather_into_tensor, "
-                  "reduce_scatter_tensor, all_to_all_single, send, recv and allreduce_ef); use CPU tensors or "
-                  "'cpu:xirang,cuda:nccl'");
+                  "all_reduce, all_reduce_coalesced, broadcast, reduce, all_gather, all_gather_coalesced, "
+                  "all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, send, recv and allreduce_ef); "
+                  "use CPU tensors or 'cpu:xirang,cuda:nccl'");
 #endif
     }
     TORCH_CHECK(t.device().is_cpu(), "xirang rank ", rank, ": ", op, ": tensors must be on the CPU, got ", t.device());
-    TORCH_CHECK(t.layout() == at::kStrided, "xirang rank ", rank, ": ", op, ": sparse tensors are not supported");
+    TORCH_CHECK(t.layout() == at::kStrided, "xirang rank ", rank, ": ", op,
+                ": tensors must be dense (strided), got layout ", t.layout(),
+                "; of the sparse layouts only sparse COO in allreduce (ReduceOp.SUM) is supported");
   }
 }
 
@@ -1179,6 +1186,8 @@ static void reduceAll(const Comm& comm, const OpCtx& ctx, at::Tensor& buf, Reduc
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse)
+    return allreduceSparse(tensors, opts);
 #ifdef XIRANG_WITH_CUDA
   if (anyCuda(tensors)) {
     auto st = newStage(cuda_streams_);
@@ -1239,6 +1248,143 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce_coalesced(std::vect
   };
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "xirang:all_reduce_coalesced", OpKind::Allreduce, tensors,
                  tensors, toDType(tensors[0].scalar_type()), op, total, opts.timeout, fn);
+}
+
+namespace {
+// Sparse allreduce's metadata: one fixed-size int64 record per rank, allgathered first:
+// [0] sparse_dim, [1] dense_dim, [2] nnz, [3] dim, [4, 4 + dim) sizes.
+constexpr int64_t kSparseMaxDims = 64;
+constexpr int64_t kSparseMeta = 4 + kSparseMaxDims;
+
+std::string sparseShapeText(const int64_t* meta) {
+  std::ostringstream o;
+  const int64_t dim = std::clamp<int64_t>(meta[3], 0, kSparseMaxDims);
+  o << "[";
+  for (int64_t d = 0; d < dim; ++d) o << (d ? ", " : "") << meta[4 + d];
+  o << "] (sparse_dim " << meta[0] << ", dense_dim " << meta[1] << ")";
+  return o.str();
+}
+
+// a * b for byte / element counts a peer's metadata feeds; throws instead of wrapping.
+uint64_t mulChecked(uint64_t a, uint64_t b, const char* what) {
+  uint64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r) || r > static_cast<uint64_t>(INT64_MAX))
+    throw std::overflow_error(std::string("xirang: sparse allreduce: ") + what + " overflows int64");
+  return r;
+}
+}  // namespace
+
+// allreduce of one sparse COO CPU tensor, ReduceOp.SUM (the only op gloo reduces sparse tensors
+// with), by gloo's algorithm: every rank coalesces its input; one allgather of a fixed-size
+// metadata record per rank (sparse_dim, dense_dim, nnz, sizes), which every rank checks against
+// its own, so a shape mismatch fails every rank naming both shapes; then an allgather of the
+// indices and one of the values (block r holds rank r's nnz rows, so ranks may differ in nnz,
+// zero included). Every rank builds the sum from the same bytes in rank order (one coalesce):
+// the result is bitwise identical on every rank. It replaces the input tensor's indices and
+// values (coalesced; its nnz is the number of distinct rows over the ranks), and the Work's
+// result() and Future hold that tensor: DDP's sparse gradient buckets read it from the Future.
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceSparse(std::vector<at::Tensor>& tensors,
+                                                                   const c10d::AllreduceOptions& opts) {
+  at::Tensor t = tensors[0];
+  TORCH_CHECK(t.device().is_cpu(), "xirang rank ", rank_, ": allreduce: sparse tensors must be on the CPU, got ",
+              t.device(), " (move the tensor to the CPU, or use 'cuda:nccl' for sparse CUDA tensors)");
+  TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM, "xirang rank ", rank_,
+              ": allreduce: sparse tensors support only ReduceOp.SUM (as gloo), got ",
+              reduceOpName(toReduceOp(opts.reduceOp)));
+  TORCH_CHECK(t.dim() <= kSparseMaxDims, "xirang rank ", rank_, ": allreduce: sparse tensors of at most ",
+              kSparseMaxDims, " dimensions, got ", t.dim());
+  auto fn = [this, t](OpCtx& ctx) {
+    // The result replaces t's data, as the dense path writes its memory: not an autograd op.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor in = t.coalesce();
+    const int64_t sd = in.sparse_dim(), dim = in.dim();
+    at::Tensor meta = at::zeros({size_, kSparseMeta}, at::TensorOptions().dtype(at::kLong));
+    int64_t* m = meta.data_ptr<int64_t>();
+    int64_t* mine = m + rank_ * kSparseMeta;
+    mine[0] = sd;
+    mine[1] = in.dense_dim();
+    mine[2] = in._nnz();
+    mine[3] = dim;
+    for (int64_t d = 0; d < dim; ++d) mine[4 + d] = in.size(d);
+    std::vector<RecvSeg> blocks;
+    for (int r = 0; r < size_; ++r) blocks.push_back(RecvSeg{m + r * kSparseMeta, kSparseMeta * sizeof(int64_t)});
+    xirang::allgather(comm_, ctx, blocks);
+
+    // Rows a coalesced tensor can have at most (saturating): bounds the nnz a peer claims.
+    uint64_t max_rows = 1;
+    for (int64_t d = 0; d < sd; ++d)
+      if (__builtin_mul_overflow(max_rows, static_cast<uint64_t>(in.size(d)), &max_rows)) max_rows = UINT64_MAX;
+    std::vector<uint64_t> nnz(size_, 0);  // 0 for ranks outside the ring
+    uint64_t total = 0;
+    for (int r : comm_.ring) {
+      const int64_t* theirs = m + r * kSparseMeta;
+      // Everything but the nnz (index 2) must agree.
+      const bool same = theirs[0] == mine[0] && theirs[1] == mine[1] && theirs[3] == mine[3] &&
+                        std::equal(mine + 4, mine + 4 + dim, theirs + 4);
+      if (!same)
+        throw transport::MismatchError("sparse allreduce: rank " + std::to_string(r) + " has a sparse tensor of size " +
+                                           sparseShapeText(theirs) + ", this rank " + sparseShapeText(mine),
+                                       r);
+      if (theirs[2] < 0 || static_cast<uint64_t>(theirs[2]) > max_rows)
+        throw transport::TransportError("sparse allreduce: rank " + std::to_string(r) + " sent nnz " +
+                                            std::to_string(theirs[2]) + " for a sparse tensor of size " +
+                                            sparseShapeText(mine),
+                                        r);
+      nnz[r] = static_cast<uint64_t>(theirs[2]);
+      if (__builtin_add_overflow(total, nnz[r], &total))
+        throw std::overflow_error("xirang: sparse allreduce: total nnz overflows");
+    }
+    uint64_t row_numel = 1;  // elements of one value row (the dense dimensions)
+    for (int64_t d = sd; d < dim; ++d)
+      row_numel = mulChecked(row_numel, static_cast<uint64_t>(in.size(d)), "a value row");
+    const uint64_t row_bytes = mulChecked(row_numel, in._values().element_size(), "a value row's bytes");
+    const uint64_t idx_row_bytes = static_cast<uint64_t>(sd) * sizeof(int64_t);
+    mulChecked(total, std::max(row_bytes, idx_row_bytes), "the gathered rows' bytes");
+
+    // Rows of every rank back to back, in group-rank order: indices as [total, sparse_dim]
+    // (rank r's indices transposed), values as [total, dense sizes...].
+    std::vector<int64_t> val_sizes{static_cast<int64_t>(total)};
+    for (int64_t d = sd; d < dim; ++d) val_sizes.push_back(in.size(d));
+    at::Tensor idx = at::empty({static_cast<int64_t>(total), sd}, at::TensorOptions().dtype(at::kLong));
+    at::Tensor val = at::empty(val_sizes, in._values().options().memory_format(at::MemoryFormat::Contiguous));
+    std::vector<RecvSeg> iblocks, vblocks;
+    uint64_t row = 0, my_row = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) my_row = row;
+      iblocks.push_back(RecvSeg{static_cast<uint8_t*>(idx.data_ptr()) + row * idx_row_bytes, nnz[r] * idx_row_bytes});
+      vblocks.push_back(RecvSeg{static_cast<uint8_t*>(val.data_ptr()) + row * row_bytes, nnz[r] * row_bytes});
+      row += nnz[r];
+    }
+    const int64_t my_nnz = static_cast<int64_t>(nnz[rank_]);
+    if (my_nnz > 0) {
+      idx.narrow(0, static_cast<int64_t>(my_row), my_nnz).copy_(in._indices().t());
+      val.narrow(0, static_cast<int64_t>(my_row), my_nnz).copy_(in._values());
+    }
+    xirang::allgather(comm_, ctx, iblocks);
+    xirang::allgather(comm_, ctx, vblocks);
+
+    // Indices a peer sent must lie inside the shape (coalesce trusts them).
+    if (total > 0 && sd > 0) {
+      at::Tensor limit = at::empty({sd}, at::TensorOptions().dtype(at::kLong));
+      for (int64_t d = 0; d < sd; ++d) limit.data_ptr<int64_t>()[d] = in.size(d);
+      at::Tensor bad = (idx < 0).logical_or_(idx >= limit).any(1);
+      if (bad.any().item<bool>()) {
+        const int64_t first = bad.nonzero()[0][0].item<int64_t>();
+        int owner = 0;
+        for (uint64_t acc = 0; owner < size_; ++owner) {
+          acc += nnz[owner];
+          if (static_cast<uint64_t>(first) < acc) break;
+        }
+        throw transport::TransportError("sparse allreduce: rank " + std::to_string(owner) +
+                                            " sent an index outside the size " + sparseShapeText(mine),
+                                        owner);
+      }
+    }
+    at::Tensor sum = at::sparse_coo_tensor(idx.t().contiguous(), val, in.sizes(), in.options()).coalesce();
+    t.copy_(sum);
+  };
+  return enqueue(c10d::OpType::_ALLREDUCE_SPARSE, "xirang:sparse_all_reduce", OpKind::Allgather, tensors, tensors,
+                 toDType(t.scalar_type()), ReduceOp::Sum, static_cast<uint64_t>(t.numel()), opts.timeout, fn);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor buffer, at::Tensor residual,
@@ -1435,20 +1581,82 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather(std::vector<std::ve
                  toDType(in.scalar_type()), ReduceOp::None, static_cast<uint64_t>(in.numel()), opts.timeout, fn);
 }
 
+// all_gather_coalesced: outputs[r][i] receives rank r's inputs[i] (torch's documented layout and
+// gloo's: one list per rank, each of len(inputs) tensors). One operation: this rank's inputs are
+// packed, back to back, into one byte block (they may differ in shape, and in dtype too, as
+// torch's complex-as-real rule allows), one ring allgather moves every rank's block, and block r
+// is unpacked into outputs[r]. As torch documents, shapes are not compared across ranks; the
+// ranks' total element counts and bytes are. Future value: every output, outputs[0][0] first
+// (rank-major).
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                        std::vector<at::Tensor>& inputs,
                                                                        const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "xirang rank ", rank_, ": allgather_coalesced: ", outputs.size(),
-              " output lists for ", inputs.size(), " inputs");
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    std::vector<std::vector<at::Tensor>> o{outputs[i]};
-    std::vector<at::Tensor> in{inputs[i]};
-    works.push_back(allgather(o, in, opts));
+#ifdef XIRANG_WITH_CUDA
+  bool cuda = anyCuda(inputs);
+  for (const auto& l : outputs) cuda = cuda || anyCuda(l);
+  if (cuda) {
+    auto st = newStage(cuda_streams_);
+    std::vector<std::vector<at::Tensor>> o(outputs.size());
+    std::vector<at::Tensor> i;
+    for (size_t k = 0; k < outputs.size(); ++k)
+      for (auto& t : outputs[k]) o[k].push_back(st->add(t, false, true));
+    for (auto& t : inputs) i.push_back(st->add(t, true, false));
+    PendingStage pending(st);
+    return allgather_coalesced(o, i, opts);
   }
-  return works.empty() ? enqueue(c10d::OpType::ALLGATHER_COALESCED, "xirang:all_gather_coalesced", OpKind::Barrier,
-                                 {}, {}, DType::UInt8, ReduceOp::None, 0, opts.timeout, [](OpCtx&) {})
-                       : works.back();
+#endif
+  TORCH_CHECK(static_cast<int>(outputs.size()) == size_, "xirang rank ", rank_, ": allgather_coalesced: got ",
+              outputs.size(), " output lists, expected one per rank (world size ", size_,
+              "): output_tensor_lists[r][i] receives rank r's input i");
+  checkTensors(rank_, "allgather_coalesced", inputs);
+  uint64_t bytes = 0, numel = 0;
+  bool one_dtype = true;
+  for (const auto& in : inputs) {
+    bytes += nbytes(in);
+    numel += static_cast<uint64_t>(in.numel());
+    one_dtype = one_dtype && in.scalar_type() == inputs[0].scalar_type();
+  }
+  std::vector<at::Tensor> flat_outs;
+  for (int r = 0; r < size_; ++r) {
+    TORCH_CHECK(outputs[r].size() == inputs.size(), "xirang rank ", rank_, ": allgather_coalesced: output list ", r,
+                " has ", outputs[r].size(), " tensors for ", inputs.size(), " inputs");
+    checkTensors(rank_, "allgather_coalesced", outputs[r]);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& o = outputs[r][i];
+      checkSameType(rank_, "allgather_coalesced", inputs[i], o);
+      TORCH_CHECK(o.numel() == inputs[i].numel(), "xirang rank ", rank_, ": allgather_coalesced: output [", r, "][", i,
+                  "] has ", o.numel(), " elements, input ", i, " has ", inputs[i].numel());
+      flat_outs.push_back(o);
+    }
+  }
+  auto fn = [this, ins = inputs, outs = outputs, bytes](OpCtx& ctx) {
+    at::Tensor flat = at::empty({static_cast<int64_t>(bytes) * size_}, at::TensorOptions().dtype(at::kByte));
+    uint8_t* base = flat.data_ptr<uint8_t>();
+    uint64_t off = 0;
+    for (const auto& in : ins) {
+      const uint64_t b = nbytes(in);
+      if (b) std::memcpy(base + bytes * rank_ + off, in.contiguous().data_ptr(), b);
+      off += b;
+    }
+    std::vector<RecvSeg> blocks;
+    for (int r = 0; r < size_; ++r) blocks.push_back(RecvSeg{base + bytes * r, bytes});
+    xirang::allgather(comm_, ctx, blocks);
+    for (int r = 0; r < size_; ++r) {
+      off = 0;
+      for (const auto& o : outs[r]) {
+        const uint64_t b = nbytes(o);
+        if (b) {
+          at::Tensor dst = o.is_contiguous() ? o : at::empty_like(o, at::MemoryFormat::Contiguous);
+          std::memcpy(dst.data_ptr(), base + bytes * r + off, b);
+          if (!dst.is_same(o)) o.copy_(dst);
+        }
+        off += b;
+      }
+    }
+  };
+  const DType dtype = inputs.empty() ? DType::Bytes : one_dtype ? toDType(inputs[0].scalar_type()) : DType::Bytes;
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "xirang:all_gather_coalesced", OpKind::Allgather, flat_outs,
+                 inputs, dtype, ReduceOp::None, numel, opts.timeout, fn);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -1703,6 +1911,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::barrier(const c10d::BarrierOp
   return enqueue(c10d::OpType::BARRIER, "xirang:barrier", OpKind::Barrier, {}, {}, DType::UInt8, ReduceOp::Max, 1,
                  opts.timeout, fn);
 }
+
+void ProcessGroupXirang::setSequenceNumberForGroup() {}  // every rank starts at 0: nothing to agree on
+
+uint64_t ProcessGroupXirang::getSequenceNumberForGroup() { return seq_; }
 
 // ---------------------------------------------------------------- point to point
 

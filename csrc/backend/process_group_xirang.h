@@ -191,6 +191,14 @@ class ProcessGroupXirang : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Sequence numbers, as c10d's ProcessGroupWrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) reads them
+  // before every collective to fingerprint it across ranks. Like gloo's: every group starts at
+  // 0 (so set* has nothing to agree on) and each collective advances it by one on every rank;
+  // point-to-point ops do not. get* is the number of collectives issued so far (caller's thread).
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
@@ -261,6 +269,9 @@ class ProcessGroupXirang : public c10d::Backend {
     // is retried on the new ring instead of raising MembershipChanged (the hook's op).
     std::function<std::function<void()>()> save;
   };
+
+  // allreduce of one sparse COO CPU tensor (ReduceOp.SUM only, as gloo); see the .cc.
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
 
   // Prepares an Op and queues it; returns its Work.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, transport::OpKind kind,

@@ -177,6 +177,8 @@ def backend_for(process_group=None):
     except Exception as e:  # noqa: BLE001
         raise TypeError(f"xirang requires the xirang backend for CPU tensors; this group has none ({e})") from None
     C = load_C()
+    if not isinstance(be, C.ProcessGroupXirang) and isinstance(getattr(be, "wrapped_pg", None), C.ProcessGroupXirang):
+        be = be.wrapped_pg  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in torch's checker
     if not isinstance(be, C.ProcessGroupXirang):
         raise TypeError(
             f"xirang requires the xirang backend, got {dist.get_backend(pg)!r}: "

@@ -7,6 +7,7 @@ gloo's answer is checked too where gloo supports the case.
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -138,6 +139,211 @@ def test_all_reduce_coalesced(backend, ws, dtype, op, pool):
     for i, n in enumerate(sizes):
         inputs = [make_input(r, n, dtype, op, f"arc{n}") for r in range(ws)]
         check_reduction([res[r][i] for r in range(ws)], inputs, op, backend, f"all_reduce_coalesced[{i}]")
+
+
+# ---------------------------------------------------------------------- sparse allreduce
+# Sparse COO allreduce (SUM), gloo's semantics: the result is coalesced and holds every row any
+# rank sent. Cases: (sizes, sparse_dim, rows per rank by rank % 4); the indices are random in a
+# small range plus one forced repeat, so rows repeat within a rank and across ranks.
+SPARSE_CASES = {
+    "embedding": ((10, 3), 1, [0, 5, 1, 8]),   # nn.Embedding's gradient: 2-D values (rows); rank 0 sends none
+    "matrix": ((6, 5), 2, [3, 0, 7, 2]),       # scalar values at (row, col); rank 1 sends none
+    "hybrid": ((4, 3, 2), 1, [2, 6, 0, 4]),    # values of shape (3, 2) per row
+    "vector": ((13,), 1, [4, 4, 4, 4]),
+    "empty": ((10, 3), 1, [0, 0, 0, 0]),       # no rank sends a row
+}
+
+
+def sparse_input(src, case, dtype):
+    sizes, sd, rows = SPARSE_CASES[case]
+    nnz = rows[src % 4]
+    g = torch.Generator().manual_seed(1000 + 17 * src + len(case))
+    idx = torch.stack([torch.randint(0, sizes[d], (nnz,), generator=g) for d in range(sd)])
+    if nnz >= 2:
+        idx[:, -1] = idx[:, 0]  # a repeated row within this rank
+    vals = make_input(src, (nnz, *sizes[sd:]), dtype, "SUM", f"sparse-{case}")
+    return torch.sparse_coo_tensor(idx, vals, sizes, check_invariants=True)
+
+
+def _sparse_parts(t):
+    """(indices, values, coalesced, shape): sparse tensors travel back from the ranks as parts."""
+    return t._indices().clone(), t._values().clone(), t.is_coalesced(), tuple(t.shape)
+
+
+def w_sparse_all_reduce(case, dtype, async_op=False):
+    t = sparse_input(rank(), case, dtype)
+    w = dist.all_reduce(t, group=mp_pool.group(), async_op=async_op)
+    fut = None
+    if async_op:
+        w.wait()
+        fut = _sparse_parts(w.get_future().value()[0])  # what DDP's sparse buckets read
+    return _sparse_parts(t), fut
+
+
+def _check_sparse(res, ws, case, dtype, what):
+    sizes = SPARSE_CASES[case][0]
+    inputs = [sparse_input(r, case, dtype) for r in range(ws)]
+    wide = [x.to(torch.float64) for x in inputs]
+    ref = torch.stack([x.to_dense() for x in wide]).sum(0)  # fp64 (exact for integers)
+    # float tolerance: (terms - 1) eps |x| summed, per element (terms: entries landing on it)
+    terms = torch.stack([torch.sparse_coo_tensor(x._indices(), torch.ones_like(x._values()), sizes,
+                                                 check_invariants=True).to_dense()
+                         for x in wide]).sum(0)
+    scale = torch.stack([torch.sparse_coo_tensor(x._indices(), x._values().abs(), sizes,
+                                                 check_invariants=True).to_dense()
+                         for x in wide]).sum(0)
+    rows = torch.cat([x._indices() for x in inputs], 1).unique(dim=1)  # distinct rows over the ranks, sorted
+    for r, ((idx, val, coalesced, shape), _) in enumerate(res):
+        assert shape == sizes and coalesced, f"{what} rank {r}: shape {shape}, coalesced {coalesced}"
+        assert torch.equal(idx, rows), f"{what} rank {r}: rows {idx.tolist()}, want {rows.tolist()}"
+        assert val.dtype == dt(dtype) and val.shape == (rows.shape[1], *sizes[idx.shape[0]:]), f"{what} rank {r}"
+        got = torch.sparse_coo_tensor(idx, val, sizes, check_invariants=True).to_dense().to(torch.float64)
+        if dt(dtype).is_floating_point:
+            tol = (terms - 1).clamp_min(0) * torch.finfo(dt(dtype)).eps * scale
+            err = (got - ref).abs()
+            assert bool((err <= tol).all()), f"{what} rank {r}: off by {(err - tol).max().item():.3g} beyond tolerance"
+        else:
+            assert torch.equal(got, ref), f"{what} rank {r}: not exact"
+        assert torch.equal(idx, res[0][0][0]) and bitwise_equal(val, res[0][0][1]), \
+            f"{what}: rank {r}'s result differs bitwise from rank 0's"
+
+
+SPARSE_PARAMS = [("embedding", "float32"), ("embedding", "float64"), ("embedding", "int64"),
+                 ("matrix", "float32"), ("hybrid", "float32"), ("vector", "int32"), ("empty", "float32")]
+
+
+@pytest.mark.parametrize("ws", WS)
+@pytest.mark.parametrize("case,dtype", SPARSE_PARAMS, ids=_ids)
+def test_sparse_all_reduce(backend, ws, case, dtype, pool):
+    res = pool.run(w_sparse_all_reduce, case, dtype)
+    _check_sparse(res, ws, case, dtype, backend)
+    g = also_gloo(pool, backend, "sparse_all_reduce", dtype, "SUM", w_sparse_all_reduce, case, dtype)
+    if g is not None:
+        _check_sparse(g, ws, case, dtype, "gloo")
+        for r in range(ws):
+            assert torch.equal(res[r][0][0], g[r][0][0]), f"rank {r}: rows differ from gloo's"
+            torch.testing.assert_close(res[r][0][1], g[r][0][1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("ws", [3])
+def test_sparse_all_reduce_future(backend, ws, pool):
+    """Work.wait() then get_future().value()[0] is the reduced tensor (how DDP reads it)."""
+    res = pool.run(w_sparse_all_reduce, "embedding", "float32", True)
+    _check_sparse(res, ws, "embedding", "float32", backend)
+    for r, (t, fut) in enumerate(res):
+        assert fut is not None and torch.equal(fut[0], t[0]) and bitwise_equal(fut[1], t[1]), \
+            f"rank {r}: the Future's value is not the reduced tensor"
+
+
+def w_sparse_max():
+    t = sparse_input(rank(), "embedding", "float32")
+    return mp_pool.capture(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=mp_pool.group())
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_sparse_all_reduce_only_sum(backend, ws, pool):
+    """Like gloo: a sparse allreduce other than SUM is a RuntimeError on every rank, before any
+    traffic (the group stays usable)."""
+    for r, e in enumerate(pool.run(w_sparse_max)):
+        assert isinstance(e, mp_pool.ExcInfo) and e.is_runtime_error, f"rank {r}: {e!r}"
+        assert "SUM" in e.message, f"rank {r}: {e.message}"
+    _check_sparse(pool.run(w_sparse_all_reduce, "vector", "int32"), ws, "vector", "int32", f"{backend} after")
+
+
+def w_sparse_mismatch(kind):
+    me = rank()
+    if kind == "shape":  # same element count, different shape
+        rows, cols = (6, 5) if me == 0 else (5, 6)
+        t = torch.sparse_coo_tensor([[1]], torch.ones(1, cols), (rows, cols))
+    else:  # sparse on rank 0, dense of the same shape elsewhere
+        t = sparse_input(me, "embedding", "float32") if me == 0 else torch.ones(10, 3)
+    t0 = time.monotonic()
+    return mp_pool.capture(dist.all_reduce, t, group=mp_pool.group()), time.monotonic() - t0
+
+
+@pytest.mark.xirang_only
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("kind", ["shape", "sparse_vs_dense"])
+def test_sparse_all_reduce_mismatch(backend, ws, kind, pool):
+    res = pool.run(w_sparse_mismatch, kind, timeout=30)
+    pool.discard()
+    for r, (e, elapsed) in enumerate(res):
+        assert isinstance(e, mp_pool.ExcInfo) and e.is_runtime_error, f"rank {r}: {e!r}"
+        want = (r"sparse tensor of size \[6, 5\].*\[5, 6\]|\[5, 6\].*\[6, 5\]" if kind == "shape"
+                else r"mismatch|aborted|lost|closed")
+        assert re.search(want, e.message), f"rank {r}: {e.message}"
+        assert elapsed < 10.0, f"rank {r} raised after {elapsed:.1f} s"
+
+
+# ---------------------------------------------------------------------- DDP with a sparse embedding
+class SparseNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 4, sparse=True)
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.emb(x).mean(1))
+
+
+def _sparse_batch(src, step):
+    g = torch.Generator().manual_seed(100 * src + step)
+    n = 0 if (src == 1 and step == 0) else 4  # rank 1's first batch is empty: no embedding rows
+    return torch.randint(0, 20, (n, 3), generator=g), torch.randn(n, 2, generator=g)
+
+
+def _sparse_loss(model, x, y):
+    return ((model(x) - y) ** 2).sum() / 4
+
+
+def w_ddp_sparse(steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = SparseNet()
+    ddp = DDP(model, process_group=mp_pool.group())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        _sparse_loss(ddp, *_sparse_batch(rank(), step)).backward()
+        opt.step()
+    ops = []
+    if mp_pool.W.current == "xirang":
+        import xirang
+
+        ops = [r["op"] for r in xirang.stats(mp_pool.group())]
+    return [p.detach().clone() for p in model.parameters()], ops
+
+
+def _ddp_sparse_reference(ws, steps):
+    """One process, the mean of the ranks' losses: what DDP's averaged gradients step on."""
+    torch.manual_seed(0)
+    model = SparseNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        (sum(_sparse_loss(model, *_sparse_batch(r, step)) for r in range(ws)) / ws).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_ddp_sparse_embedding(backend, ws, pool):
+    """nn.Embedding(sparse=True) + a dense layer, 5 SGD steps (one rank's first gradient has no
+    rows): every rank ends with the single-process reference's parameters, and with gloo's."""
+    res = pool.run(w_ddp_sparse, 5)
+    ref = _ddp_sparse_reference(ws, 5)
+    for r in range(ws):
+        params, ops = res[r]
+        for j, (p, q) in enumerate(zip(params, ref)):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} param {j}: {m}")
+            assert bitwise_equal(p, res[0][0][j]), f"rank {r} param {j} differs from rank 0's"
+        if backend == "xirang":  # the embedding's gradient took the sparse allreduce, once per step
+            assert ops.count("sparse_all_reduce") >= 5, ops
+    g = also_gloo(pool, backend, "ddp_sparse", "float32", "SUM", w_ddp_sparse, 5)
+    if g is not None:
+        for j, (p, q) in enumerate(zip(res[0][0], g[0][0])):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=lambda m: f"param {j} vs gloo: {m}")
 
 
 # ====================================================================== reduce (every root)
@@ -332,6 +538,91 @@ def test_all_gather_into_tensor_coalesced(backend, ws, dtype, pool):
         want = torch.cat([make_input(src, n, dtype, "MOVE", f"agc{n}") for src in range(ws)])
         for r in range(ws):
             assert bitwise_equal(res[r][i], want), f"coalesced all_gather[{i}] wrong on rank {r}"
+
+
+# ---------------------------------------------------------------------- all_gather_coalesced
+# output_tensor_lists[r][i] receives rank r's input i (torch's documented layout, gloo's). Cases:
+# (shape, dtype) per input; shapes differ within a call, empty and 0-dim tensors among them, and
+# complex64 next to float32 (torch's one dtype mix: it sends complex tensors as their real view).
+AGC_CASES = {
+    "one": [((7,), "float32")],
+    "two": [((2,), "float32"), ((3,), "float32")],
+    "five_shapes": [((), "float32"), ((3, 4), "float32"), ((0,), "float32"), ((2, 0, 3), "float32"), ((5,), "float32")],
+    "complex_real": [((4,), "complex64"), ((3,), "float32"), ((0,), "complex64"), ((2, 2), "complex64")],
+    "all_empty": [((0,), "int64"), ((0, 4), "int64")],
+    "int64": [((1,), "int64"), ((2, 3), "int64"), ((0,), "int64"), ((4,), "int64"), ((3,), "int64")],
+    "bool": [((9,), "bool"), ((1,), "bool"), ((2, 2), "bool")],
+    "bf16": [((5,), "bfloat16"), ((1, 1), "bfloat16")],
+}
+
+
+def _agc_input(src, case, i):
+    shape, dtype = AGC_CASES[case][i]
+    return make_input(src, shape, dtype, "MOVE", f"agco-{case}-{i}")
+
+
+def w_all_gather_coalesced(case, async_op=False):
+    ins = [_agc_input(rank(), case, i) for i in range(len(AGC_CASES[case]))]
+    outs = [[torch.zeros_like(t) for t in ins] for _ in range(size())]
+    fut = dist.all_gather_coalesced(outs, ins, group=mp_pool.group(), async_op=async_op)
+    if async_op:
+        fut.wait()  # async_op=True returns the Work's Future
+    return outs
+
+
+def _check_agc(res, ws, case, what):
+    for r in range(ws):
+        assert len(res[r]) == ws, f"{what}: rank {r} has {len(res[r])} output lists"
+        for src in range(ws):
+            for i in range(len(AGC_CASES[case])):
+                got, want = res[r][src][i], _agc_input(src, case, i)
+                assert got.shape == want.shape and bitwise_equal(got.reshape(-1), want.reshape(-1)), \
+                    f"{what}: rank {r} output[{src}][{i}] is not rank {src}'s input {i}"
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3, 8])
+@pytest.mark.parametrize("case", list(AGC_CASES))
+def test_all_gather_coalesced(backend, ws, case, pool):
+    _check_agc(pool.run(w_all_gather_coalesced, case), ws, case, backend)
+    g = also_gloo(pool, backend, "all_gather_coalesced", "float32", None, w_all_gather_coalesced, case)
+    if g is not None:
+        _check_agc(g, ws, case, "gloo")
+
+
+@pytest.mark.parametrize("ws", [3])
+@pytest.mark.parametrize("case", ["five_shapes", "complex_real"])
+def test_all_gather_coalesced_async(backend, ws, case, pool):
+    """The Future of async_op=True completes once every input has been gathered."""
+    _check_agc(pool.run(w_all_gather_coalesced, case, True), ws, case, f"{backend} async")
+
+
+def w_all_gather_coalesced_issue():
+    ins = [torch.full((2,), 10.0 * rank() + i) for i in range(2)]
+    outs = [[torch.empty(2) for _ in ins] for _ in range(size())]
+    dist.all_gather_coalesced(outs, ins, group=mp_pool.group())
+    return [[o[0].item() for o in lst] for lst in outs]
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_all_gather_coalesced_issue_layout(backend, ws, pool):
+    """Issue #15 item 7: rank r sends [10r, 10r + 1]; every rank gets [[0, 1], [10, 11]]."""
+    for r, got in enumerate(pool.run(w_all_gather_coalesced_issue)):
+        assert got == [[0.0, 1.0], [10.0, 11.0]], f"rank {r}: {got}"
+
+
+def w_all_gather_coalesced_bad_lists():
+    ins = [torch.ones(2), torch.ones(3)]
+    outs = [[torch.empty(2), torch.empty(3)] for _ in range(size() - 1)]  # one list short
+    return mp_pool.capture(dist.all_gather_coalesced, outs, ins, group=mp_pool.group())
+
+
+@pytest.mark.parametrize("ws", [3])
+def test_all_gather_coalesced_wrong_list_count(backend, ws, pool):
+    """world_size - 1 output lists: a RuntimeError on every rank (raised before anything is sent)."""
+    for r, e in enumerate(pool.run(w_all_gather_coalesced_bad_lists)):
+        assert isinstance(e, mp_pool.ExcInfo) and e.is_runtime_error, f"rank {r}: {e!r}"
+        assert "output lists" in e.message, f"rank {r}: {e.message}"
+    _check_agc(pool.run(w_all_gather_coalesced, "two"), ws, "two", f"{backend} after the error")
 
 
 def w_gather(dtype, n):
