@@ -11,6 +11,7 @@
 #include "backend/process_group_xirang.h"
 #include "core/codec.h"
 #include "core/env.h"
+#include "core/generation.h"
 #include "core/ring.h"
 #include "core/topology.h"
 #ifdef XIRANG_WITH_CUDA
@@ -237,6 +238,30 @@ PYBIND11_MODULE(_C, m) {
     for (const auto& k : xirang::env::knobs()) out.append(py::make_tuple(k.name, k.default_value, k.help));
     return out;
   }, "Every XIRANG_* knob as (name, default, help), in declaration order.");
+  // Python reads its knobs through these, so that each knob's default and parsing live once, in
+  // core/env.cc. Bad values raise ValueError (std::invalid_argument) naming the knob.
+  m.def("env_get", [](const std::string& name) { return xirang::env::get(name.c_str()); }, py::arg("name"),
+        "A declared XIRANG_* knob's value: the environment's if set and non-empty, else its default.");
+  m.def("env_bool", [](const std::string& name) { return xirang::env::getBool(name.c_str()); }, py::arg("name"),
+        "A declared boolean knob: 1/true/yes/on or 0/false/no/off (case-insensitive); else ValueError.");
+  m.def("env_double", [](const std::string& name) { return xirang::env::getDouble(name.c_str()); }, py::arg("name"),
+        "A declared numeric knob as a float; ValueError if it is not a number.");
+  m.def("env_log_level", [] {
+    static const char* names[] = {"WARN", "INFO", "TRACE"};
+    return std::string(names[static_cast<int>(xirang::env::parseLogLevel())]);
+  }, "XIRANG_DEBUG now: 'WARN', 'INFO' or 'TRACE'; ValueError naming the accepted values otherwise.");
+  m.def("generation", [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
+                         bool join, const std::string& group_name) {
+    return xirang::ProcessGroupXirang::agreeGeneration(
+        store, rank, size, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0)), join, group_name);
+  }, py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("join") = false,
+        py::arg("group_name") = "", py::call_guard<py::gil_scoped_release>(),
+        "The generation of the group being created (16 hex digits): a handshake every rank of the\n"
+        "creation runs through `store` (rank 0 draws it), or with join=True the live group's. Pass it\n"
+        "to ProcessGroupXirang(generation=...); the group's store keys live under key_namespace(it).\n"
+        "Waits at most timeout_s seconds; RuntimeError naming the ranks that never answered.");
+  m.def("key_namespace", &xirang::generation::keyNamespace, py::arg("generation"),
+        "The store key namespace of a generation: 'xirang/<generation>'.");
   m.def("ring_allreduce_elements_sent", &xirang::ring::replayAllreduceSent, py::arg("numel"), py::arg("world_size"),
         "Replay of the ring schedule: elements each ring position sends in one allreduce of numel elements.");
   m.def("ring_order", [](const std::vector<std::tuple<int, std::string, std::string>>& labels, bool topology) {
@@ -256,7 +281,7 @@ PYBIND11_MODULE(_C, m) {
                        const std::string& group_name, const std::string& algorithm, std::vector<int> ring,
                        std::vector<std::string> hosts, std::vector<std::string> racks, int global_rank,
                        const std::string& stats_dir, const std::string& run_id, bool elastic, double heartbeat_s,
-                       bool join) {
+                       bool join, const std::string& generation) {
              xirang::XirangConfig cfg;
              cfg.group_name = group_name;
              cfg.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
@@ -270,6 +295,7 @@ PYBIND11_MODULE(_C, m) {
              cfg.elastic = elastic;
              cfg.heartbeat_s = heartbeat_s;
              cfg.join = join;
+             cfg.generation = generation;
              return c10::make_intrusive<xirang::ProcessGroupXirang>(store, rank, size, cfg);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("group_name") = "",
@@ -277,11 +303,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("hosts") = std::vector<std::string>{}, py::arg("racks") = std::vector<std::string>{},
            py::arg("global_rank") = 0, py::arg("stats_dir") = "", py::arg("run_id") = "",
            py::arg("elastic") = false, py::arg("heartbeat_s") = 1.0, py::arg("join") = false,
-           py::call_guard<py::gil_scoped_release>(),
+           py::arg("generation") = "", py::call_guard<py::gil_scoped_release>(),
            "Create the backend of one group: store (c10d Store, prefixed per group by torch), group rank and\n"
            "size, timeout in seconds, ring order (group ranks; empty = rank order), host/rack label per rank,\n"
-           "elastic mode, its heartbeat period in seconds, and join (a spare taking rank `rank`'s place:\n"
-           "blocks until the live ranks admit it).")
+           "elastic mode, its heartbeat period in seconds, join (a spare taking rank `rank`'s place:\n"
+           "blocks until the live ranks admit it) and the creation's generation (generation(); empty:\n"
+           "the constructor runs that handshake itself).")
       .def("allreduce_ef", &xirang::ProcessGroupXirang::allreduceBF16EF, py::arg("buffer"), py::arg("residual"),
            py::arg("staged_residual"), py::arg("group_id") = -1, py::arg("label") = "",
            py::arg("plain") = std::vector<at::Tensor>{}, py::call_guard<py::gil_scoped_release>(),
@@ -308,6 +335,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("address", &xirang::ProcessGroupXirang::address)
       .def_property_readonly("sequence_number", &xirang::ProcessGroupXirang::sequenceNumber)
       .def_property_readonly("elastic", &xirang::ProcessGroupXirang::elastic)
+      .def_property_readonly("generation", &xirang::ProcessGroupXirang::generation,
+                             "This creation's generation: the group's store keys live under 'xirang/<generation>'.")
       .def("membership", &membershipDict, "Elastic membership: epoch, live (group ranks), ring, world_size, recoveries, last_recovery_s,\n"
          "last_agreement_s (seconds) and last_failure (the reason recorded).")
       .def("admit_joiners", &xirang::ProcessGroupXirang::admitJoiners, py::arg("expect") = 0,

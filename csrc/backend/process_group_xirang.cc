@@ -18,6 +18,7 @@
 
 #include "core/codec.h"
 #include "core/env.h"
+#include "core/generation.h"
 #include "core/membership.h"
 #include "core/reduce.h"
 #include "core/topology.h"
@@ -31,8 +32,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Store key namespace of elastic mode's heartbeats and epoch agreements (core/membership.h).
-constexpr const char* kElasticPrefix = "xirang/elastic";
 // A failure report starting with this fails every rank instead of starting an agreement.
 constexpr const char* kFatal = "fatal: ";
 
@@ -263,8 +262,20 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
                                        XirangConfig cfg)
     : Backend(rank, size), cfg_(std::move(cfg)), created_(Clock::now()) {
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "xirang: invalid rank ", rank, " for world size ", size);
+  try {
+    env::parseLogLevel();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
   store_ = std::make_shared<StoreAdapter>(store);
+  if (cfg_.generation.empty())
+    cfg_.generation = agreeGeneration(store, rank, size, cfg_.timeout, cfg_.join, cfg_.group_name);
+  // Every key of this creation lives under its generation: a store shared with an earlier
+  // creation (torchrun's restarts) still holds that one's abort, secret and addresses.
+  key_ns_ = generation::keyNamespace(cfg_.generation);
+  elastic_prefix_ = key_ns_ + "/elastic";
   transport::TcpOptions topts;
+  topts.key_prefix = key_ns_;
   topts.ifname = env::get("XIRANG_SOCKET_IFNAME");
   topts.handshake_timeout = std::chrono::milliseconds(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS"));
   const std::string key_file = env::get("XIRANG_AUTH_KEY_FILE");
@@ -343,7 +354,7 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
     TORCH_CHECK(cfg_.heartbeat_s > 0, "xirang: XIRANG_HEARTBEAT_S must be > 0, got ", cfg_.heartbeat_s);
     if (size > 1) {
       try {
-        store_->add(elastic::heartbeatKey(kElasticPrefix, rank), 1);
+        store_->add(elastic::heartbeatKey(elastic_prefix_, rank), 1);
       } catch (const std::exception& e) {
         TORCH_CHECK(false, "xirang rank ", rank, ": elastic mode needs a store with add/compareSet: ", e.what());
       }
@@ -363,6 +374,19 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
 }
 
 ProcessGroupXirang::~ProcessGroupXirang() { shutdown(); }
+
+std::string ProcessGroupXirang::agreeGeneration(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                std::chrono::milliseconds timeout, bool join,
+                                                const std::string& group_name) {
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "xirang: invalid rank ", rank, " for world size ", size);
+  StoreAdapter adapter(store);
+  const auto deadline = Clock::now() + timeout;
+  try {
+    return join ? generation::live(adapter, deadline) : generation::agree(adapter, rank, size, deadline);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "xirang rank ", rank, ": creating group '", group_name, "' failed: ", e.what());
+  }
+}
 
 void ProcessGroupXirang::shutdown() {
   {
@@ -558,7 +582,7 @@ void ProcessGroupXirang::runLoop() {
           // Elastic: the survivors would otherwise drop this rank and go on; a disagreement
           // about the collective is a bug every rank must hear about.
           try {
-            elastic::reportFailure(*store_, kElasticPrefix, epoch_.load(), std::string(kFatal) + msg);
+            elastic::reportFailure(*store_, elastic_prefix_, epoch_.load(), std::string(kFatal) + msg);
           } catch (...) {
           }
         }
@@ -700,7 +724,7 @@ void ProcessGroupXirang::installEpoch(const elastic::Decision& d, const transpor
   transport::TcpOptions topts;
   topts.ifname = env::get("XIRANG_SOCKET_IFNAME");
   topts.handshake_timeout = std::chrono::milliseconds(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS"));
-  topts.key_prefix = "xirang/e" + std::to_string(d.epoch);
+  topts.key_prefix = key_ns_ + "/e" + std::to_string(d.epoch);
   topts.members = d.live;
   topts.key = key;
   // Every member of the epoch can compute its group id (rank 0 may be gone): from its key.
@@ -755,7 +779,7 @@ transport::Key128 ProcessGroupXirang::epochKey(uint64_t epoch, const transport::
 elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
   const auto t0 = Clock::now();
   const uint64_t epoch = epoch_.load();
-  std::string reason = elastic::reportFailure(*store_, kElasticPrefix, epoch, why);
+  std::string reason = elastic::reportFailure(*store_, elastic_prefix_, epoch, why);
   if (reason.rfind(kFatal, 0) == 0) {  // a rank failed the group on purpose (see runLoop)
     std::string msg = "xirang rank " + std::to_string(rank_) + ": the group failed: " + reason.substr(std::strlen(kFatal));
     poison(msg);
@@ -767,14 +791,14 @@ elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
   }
   env::log(env::Level::Warn, rank_, "epoch " + std::to_string(epoch) + " ended (" + reason + "); agreeing on the survivors");
   elastic::Report mine{done_seq_, issued_seq_.load()};
-  elastic::HeartbeatWatch watch(*store_, kElasticPrefix,
+  elastic::HeartbeatWatch watch(*store_, elastic_prefix_,
                                 std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000)));
   {
     std::lock_guard<std::mutex> g(watch_mu_);
     if (hb_watch_) watch.adopt(*hb_watch_);  // a neighbour already silent is stale at once
   }
   elastic::Decision d =
-      elastic::agree(*store_, kElasticPrefix, epoch, live_, rank_, mine, watch, Clock::now() + cfg_.timeout);
+      elastic::agree(*store_, elastic_prefix_, epoch, live_, rank_, mine, watch, Clock::now() + cfg_.timeout);
   const auto t_agreed = Clock::now();
   if (std::find(d.live.begin(), d.live.end(), rank_) == d.live.end()) {
     std::string msg = "xirang rank " + std::to_string(rank_) + ": declared dead by the survivors of epoch " +
@@ -797,7 +821,7 @@ elastic::Decision ProcessGroupXirang::recover(const std::string& why) {
 }
 
 std::string ProcessGroupXirang::waitKey(const std::string& key, transport::Deadline deadline) {
-  const std::string fail = elastic::failKey(kElasticPrefix, epoch_.load());
+  const std::string fail = elastic::failKey(elastic_prefix_, epoch_.load());
   while (!store_->check(key)) {
     if (store_->check(fail))
       throw transport::TransportError("a failure was reported while waiting for " + key + ": " +
@@ -817,14 +841,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::admitJoiners(int64_t expect, 
   auto fn = [this, expect, wait_s](OpCtx& ctx) {
     if (size_ <= 1) return;
     const int lowest = live_.front();
-    const std::string key = elastic::admitKey(kElasticPrefix, ctx.seq);
+    const std::string key = elastic::admitKey(elastic_prefix_, ctx.seq);
     if (rank_ == lowest) {
       const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
       std::vector<std::pair<int, std::string>> joiners;  // (rank, nonce)
       while (true) {
         joiners.clear();
         for (int r = 0; r < size_; ++r) {
-          const std::string jk = elastic::joinKey(kElasticPrefix, r);
+          const std::string jk = elastic::joinKey(elastic_prefix_, r);
           if (std::find(live_.begin(), live_.end(), r) != live_.end() || !store_->check(jk)) continue;
           std::string nonce = store_->get(jk, ctx.deadline);
           if (nonce != "taken") joiners.push_back({r, nonce});
@@ -834,7 +858,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::admitJoiners(int64_t expect, 
           joiners.clear();  // fewer than `expect` waiting: admit none this time
           break;
         }
-        if (store_->check(elastic::failKey(kElasticPrefix, epoch_.load())))
+        if (store_->check(elastic::failKey(elastic_prefix_, epoch_.load())))
           throw transport::TransportError("a failure was reported during the admission", -1);
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
@@ -845,18 +869,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::admitJoiners(int64_t expect, 
       std::sort(d.live.begin(), d.live.end());
       d.done_seq = d.fence = ctx.seq;
       if (!joiners.empty() && !auth_key_)  // with XIRANG_AUTH_KEY_FILE the key is derived, not stored
-        store_->set(elastic::secretKey(kElasticPrefix, d.epoch), transport::keyToHex(transport::randomKey()));
+        store_->set(elastic::secretKey(elastic_prefix_, d.epoch), transport::keyToHex(transport::randomKey()));
       store_->compareSet(key, "", d.encode());
       for (const auto& [r, nonce] : joiners) {
-        store_->set(elastic::joinedKey(kElasticPrefix, r), nonce + " " + std::to_string(rank_) + " " + d.encode());
-        store_->compareSet(elastic::joinKey(kElasticPrefix, r), nonce, "taken");
+        store_->set(elastic::joinedKey(elastic_prefix_, r), nonce + " " + std::to_string(rank_) + " " + d.encode());
+        store_->compareSet(elastic::joinKey(elastic_prefix_, r), nonce, "taken");
       }
     }
     elastic::Decision d = elastic::Decision::decode(waitKey(key, ctx.deadline));
     if (d.epoch == epoch_.load()) return;  // nobody joined
     transport::Key128 k =
         auth_key_ ? epochKey(d.epoch, {})
-                  : transport::keyFromHex(waitKey(elastic::secretKey(kElasticPrefix, d.epoch), ctx.deadline));
+                  : transport::keyFromHex(waitKey(elastic::secretKey(elastic_prefix_, d.epoch), ctx.deadline));
     std::ostringstream why;
     why << "spares joined (" << membershipText(&d) << ")";
     installEpoch(d, k, lowest, why.str(), 0.0, Clock::now());
@@ -871,10 +895,10 @@ void ProcessGroupXirang::joinGroup() {
   const auto t0 = Clock::now();
   const auto deadline = t0 + cfg_.timeout;
   const std::string nonce = transport::keyToHex(transport::randomKey()).substr(0, 16);
-  store_->set(elastic::joinKey(kElasticPrefix, rank_), nonce);
+  store_->set(elastic::joinKey(elastic_prefix_, rank_), nonce);
   env::log(env::Level::Warn, rank_,
            "spare waiting to take rank " + std::to_string(rank_) + "'s place (admitted at a step boundary)");
-  const std::string jk = elastic::joinedKey(kElasticPrefix, rank_);
+  const std::string jk = elastic::joinedKey(elastic_prefix_, rank_);
   std::string text;
   while (true) {
     if (store_->check(jk)) {
@@ -893,11 +917,11 @@ void ProcessGroupXirang::joinGroup() {
   std::getline(in, rest);
   elastic::Decision d = elastic::Decision::decode(rest.substr(rest.find_first_not_of(' ')));
   transport::Key128 key = auth_key_ ? epochKey(d.epoch, {})
-                                    : transport::keyFromHex(store_->get(elastic::secretKey(kElasticPrefix, d.epoch), deadline));
+                                    : transport::keyFromHex(store_->get(elastic::secretKey(elastic_prefix_, d.epoch), deadline));
   seq_ = d.fence;  // the survivors' admission op was #fence: this rank's next op is the next one
   issued_seq_.store(seq_);
   done_seq_ = seq_;
-  store_->add(elastic::heartbeatKey(kElasticPrefix, rank_), 1);
+  store_->add(elastic::heartbeatKey(elastic_prefix_, rank_), 1);
   installEpoch(d, key, source, "joined as a spare", 0.0, t0);
   env::log(env::Level::Warn, rank_, "joined: " + membershipText(&d) + "; training state source: rank " +
                                         std::to_string(source));
@@ -910,7 +934,7 @@ void ProcessGroupXirang::joinGroup() {
 void ProcessGroupXirang::heartbeatLoop() {
   const auto hb = std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000));
   const auto tick = std::max(std::chrono::milliseconds(20), hb / 5);
-  auto watch = std::make_unique<elastic::HeartbeatWatch>(*store_, kElasticPrefix, hb);
+  auto watch = std::make_unique<elastic::HeartbeatWatch>(*store_, elastic_prefix_, hb);
   {
     std::lock_guard<std::mutex> g(watch_mu_);
     hb_watch_ = watch.get();
@@ -929,11 +953,11 @@ void ProcessGroupXirang::heartbeatLoop() {
       if (hb_cv_.wait_for(g, tick, [&] { return hb_stop_; })) return;
     }
     try {
-      store_->add(elastic::heartbeatKey(kElasticPrefix, rank_), 1);
+      store_->add(elastic::heartbeatKey(elastic_prefix_, rank_), 1);
       const uint64_t epoch = epoch_.load();
       if (epoch != watched_epoch) {  // new ring: new neighbours, fresh clocks
         std::lock_guard<std::mutex> g(watch_mu_);
-        watch = std::make_unique<elastic::HeartbeatWatch>(*store_, kElasticPrefix, hb);
+        watch = std::make_unique<elastic::HeartbeatWatch>(*store_, elastic_prefix_, hb);
         hb_watch_ = watch.get();
         watched_epoch = epoch;
       }
@@ -955,13 +979,13 @@ void ProcessGroupXirang::heartbeatLoop() {
           stale = watch->stale(p);
         }
         if (stale) {
-          elastic::reportFailure(*store_, kElasticPrefix, epoch,
+          elastic::reportFailure(*store_, elastic_prefix_, epoch,
                                  "rank " + std::to_string(p) + " missed its heartbeats for " +
                                      std::to_string(watch->silentFor(p)) + " s (XIRANG_HEARTBEAT_S=" +
                                      std::to_string(cfg_.heartbeat_s) + ")");
         }
       }
-      if (store_->check(elastic::failKey(kElasticPrefix, epoch))) {
+      if (store_->check(elastic::failKey(elastic_prefix_, epoch))) {
         {
           std::lock_guard<std::mutex> g(mem_mu_);
           if (epoch_.load() != epoch) continue;

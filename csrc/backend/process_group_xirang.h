@@ -96,6 +96,9 @@ struct XirangConfig {
   bool elastic = false;             // XIRANG_ELASTIC / Options(elastic=True)
   double heartbeat_s = 1.0;         // XIRANG_HEARTBEAT_S
   bool join = false;                // XIRANG_JOIN: a spare taking a dead rank's place
+  // This creation's generation (core/generation.h): every store key of the group lives under
+  // generation::keyNamespace(generation). Empty: the constructor runs the handshake itself.
+  std::string generation;
 };
 
 // Raised (Python: xirang.MembershipChanged, a RuntimeError) by every operation that was in
@@ -156,6 +159,13 @@ class ProcessGroupXirang : public c10d::Backend {
   // Throws c10::Error if the store times out or no address can be bound.
   ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, XirangConfig cfg);
   ~ProcessGroupXirang() override;
+
+  // The generation of a group being created (core/generation.h), to pass as cfg.generation:
+  // the handshake of generation::agree (every rank of the creation calls it), or with `join` the
+  // live group's (generation::live). Waits at most `timeout`; throws c10::Error naming the rank,
+  // the group and the ranks that never answered.
+  static std::string agreeGeneration(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                     std::chrono::milliseconds timeout, bool join, const std::string& group_name);
 
   const std::string getBackendName() const override { return "xirang"; }
 
@@ -253,6 +263,7 @@ class ProcessGroupXirang : public c10d::Backend {
   // fn runs on the communication thread after every rebuild (before the next op runs).
   void setMembershipCallback(std::function<void()> fn);
   bool elastic() const { return cfg_.elastic; }
+  const std::string& generation() const { return cfg_.generation; }
 
  private:
   using Fn = std::function<void(OpCtx&)>;
@@ -309,6 +320,8 @@ class ProcessGroupXirang : public c10d::Backend {
 
   XirangConfig cfg_;
   std::shared_ptr<transport::Store> store_;
+  std::string key_ns_;          // generation::keyNamespace(cfg_.generation): the transport's keys
+  std::string elastic_prefix_;  // key_ns_ + "/elastic": heartbeats, agreements (core/membership.h)
   std::shared_ptr<transport::Tcp> tcp_;  // replaced per elastic epoch (under mem_mu_)
   std::optional<transport::Key128> auth_key_;  // XIRANG_AUTH_KEY_FILE's key, if set
   Comm comm_;

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <cctype>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -87,20 +89,34 @@ double getDouble(const char* name) {
 }
 
 bool getBool(const char* name) {
-  std::string v = get(name);
-  for (auto& c : v) c = static_cast<char>(std::tolower(c));
+  const std::string raw = get(name);
+  std::string v = raw;
+  for (auto& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
   if (v.empty() || v == "0" || v == "false" || v == "no" || v == "off") return false;
-  throw std::invalid_argument(std::string("xirang: ") + name + "='" + v + "' is not a boolean");
+  throw std::invalid_argument(std::string("xirang: ") + name + "='" + raw +
+                              "' is not a boolean: accepted values are 1, true, yes, on and 0, false, no, off "
+                              "(case-insensitive)");
+}
+
+Level parseLogLevel() {
+  const std::string raw = get("XIRANG_DEBUG");
+  std::string v = raw;
+  for (auto& c : v) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (v == "TRACE") return Level::Trace;
+  if (v == "INFO") return Level::Info;
+  if (v == "WARN") return Level::Warn;
+  throw std::invalid_argument("xirang: XIRANG_DEBUG='" + raw +
+                              "' is not a log level: accepted values are WARN, INFO, TRACE (case-insensitive)");
 }
 
 Level logLevel() {
   static const Level level = [] {
-    std::string v = get("XIRANG_DEBUG");
-    for (auto& c : v) c = static_cast<char>(std::toupper(c));
-    if (v == "TRACE") return Level::Trace;
-    if (v == "INFO") return Level::Info;
-    return Level::Warn;
+    try {
+      return parseLogLevel();
+    } catch (const std::invalid_argument&) {
+      return Level::Warn;  // group creation reports the bad value (parseLogLevel)
+    }
   }();
   return level;
 }

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 from datetime import timedelta
@@ -39,24 +40,72 @@ def load_C():
     return _C
 
 
+_ALGORITHMS = ("auto", "ring", "direct", "two_level")
+_RING_ORDERS = ("topology", "rank")
+_MAX_SECONDS = 1e9  # about 31 years: far beyond any run, far below a deadline's overflow
+
+
+def _check_seconds(field: str, value, *, timedelta_ok: bool) -> None:
+    """None, or a positive finite number of seconds (int/float, not bool; a timedelta if allowed)."""
+    if value is None:
+        return
+    types = (int, float, timedelta) if timedelta_ok else (int, float)
+    accepted = ("a positive number of seconds (int or float) or a positive datetime.timedelta" if timedelta_ok
+                else "a positive number of seconds (int or float)") + ", or None"
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise TypeError(f"xirang.Options: {field} must be {accepted}, got {type(value).__name__} {value!r}")
+    s = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not (math.isfinite(s) and 0 < s <= _MAX_SECONDS):
+        raise ValueError(f"xirang.Options: {field} must be {accepted} (at most {_MAX_SECONDS:.0e} s), got {value!r}")
+
+
+def _check_choice(field: str, value, choices, none_ok: bool) -> None:
+    if value is None and none_ok:
+        return
+    accepted = ", ".join(repr(c) for c in choices) + (" or None" if none_ok else "")
+    if not isinstance(value, str):
+        raise TypeError(f"xirang.Options: {field} must be one of {accepted}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"xirang.Options: {field} must be one of {accepted}, got {value!r}")
+
+
+def _check_elastic(value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"xirang.Options: elastic must be True, False or None, got {type(value).__name__} {value!r}")
+
+
+_CHECKS = {
+    "timeout": lambda v: _check_seconds("timeout", v, timedelta_ok=True),
+    "algorithm": lambda v: _check_choice("algorithm", v, _ALGORITHMS, none_ok=False),
+    "ring_order": lambda v: _check_choice("ring_order", v, _RING_ORDERS, none_ok=True),
+    "elastic": _check_elastic,
+    "heartbeat_s": lambda v: _check_seconds("heartbeat_s", v, timedelta_ok=False),
+}
+
+
 @dataclasses.dataclass
 class Options:
     """Options of a xirang group, passed as `pg_options=` to init_process_group / new_group.
 
+    Every field is checked when it is set (at construction and on assignment): a value of the
+    wrong type raises TypeError, a value out of range ValueError, both naming the field and the
+    accepted values; assigning to a name that is not a field raises AttributeError.
+
     Attributes:
-        timeout: seconds (float) or a datetime.timedelta; overrides the group's timeout when set
-            (per-op timeouts, e.g. AllreduceOptions().timeout, still win).
+        timeout: a positive number of seconds (int or float, not bool) or a positive
+            datetime.timedelta; overrides the group's timeout when set (per-op timeouts, e.g.
+            AllreduceOptions().timeout, still win). None: the group's timeout.
         algorithm: "auto" (direct exchange up to XIRANG_SMALL_BYTES; above it two-level where hosts
             hold equal numbers of ranks, else the ring), "ring", "direct", "two_level". Default
             "auto" defers to XIRANG_ALGO.
         ring_order: "topology" (sorted by rack, host, rank; labels from XIRANG_HOST/XIRANG_RACK/
             XIRANG_TOPOLOGY_FILE) or "rank"; None defers to XIRANG_RING_ORDER (default topology).
-        elastic: elastic mode (#8; also XIRANG_ELASTIC=1): when a rank is lost the survivors agree
-            through the store on the live ranks, rebuild the ring without it and go on; operations
-            in flight raise xirang.MembershipChanged (the comm hook's own operation is retried on
-            the new ring). None defers to XIRANG_ELASTIC. See README "Elastic mode".
-        heartbeat_s: elastic mode: a rank whose store heartbeat is silent this long (seconds) is
-            declared failed; None defers to XIRANG_HEARTBEAT_S (default 1.0).
+        elastic: True or False: elastic mode (#8; also XIRANG_ELASTIC=1): when a rank is lost the
+            survivors agree through the store on the live ranks, rebuild the ring without it and go
+            on; operations in flight raise xirang.MembershipChanged (the comm hook's own operation
+            is retried on the new ring). None defers to XIRANG_ELASTIC. See README "Elastic mode".
+        heartbeat_s: elastic mode: a rank whose store heartbeat is silent this long (a positive
+            number of seconds) is declared failed; None defers to XIRANG_HEARTBEAT_S (default 1.0).
     """
 
     timeout: Optional[Union[float, timedelta]] = None
@@ -65,32 +114,20 @@ class Options:
     elastic: Optional[bool] = None
     heartbeat_s: Optional[float] = None
 
-    def __post_init__(self):
-        if self.algorithm not in ("auto", "ring", "direct", "two_level"):
-            raise ValueError(
-                f"xirang.Options: algorithm must be auto, ring, direct or two_level, got {self.algorithm!r}"
-            )
-        if self.ring_order not in (None, "topology", "rank"):
-            raise ValueError(f"xirang.Options: ring_order must be topology or rank, got {self.ring_order!r}")
-        if self.heartbeat_s is not None and not self.heartbeat_s > 0:
-            raise ValueError(f"xirang.Options: heartbeat_s must be > 0 seconds, got {self.heartbeat_s!r}")
+    def __setattr__(self, name, value):
+        check = _CHECKS.get(name)
+        if check is None:
+            raise AttributeError(f"xirang.Options has no field {name!r}; fields: {', '.join(_CHECKS)}")
+        check(value)
+        object.__setattr__(self, name, value)
 
 
-def _env_flag(name: str) -> bool:
-    v = os.environ.get(name, "0").strip().lower()
-    if v in ("", "0", "false", "no", "off"):
-        return False
-    if v in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name} must be 0 or 1, got {os.environ[name]!r}")
-
-
-def _labels() -> tuple:
+def _labels(C) -> tuple:
     """This rank's (host, rack) labels: XIRANG_HOST (default hostname), XIRANG_RACK, else the
     XIRANG_TOPOLOGY_FILE line 'hostname rack' for the host, else 'rack0'."""
-    host = os.environ.get("XIRANG_HOST") or socket.gethostname()
-    rack = os.environ.get("XIRANG_RACK", "")
-    path = os.environ.get("XIRANG_TOPOLOGY_FILE", "")
+    host = C.env_get("XIRANG_HOST") or socket.gethostname()
+    rack = C.env_get("XIRANG_RACK")
+    path = C.env_get("XIRANG_TOPOLOGY_FILE")
     if not rack and path:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"XIRANG_TOPOLOGY_FILE={path!r}: no such file")
@@ -104,18 +141,26 @@ def _labels() -> tuple:
 
 
 def create(dist_backend_opts, backend_options):
+    """torch.distributed's creator of a xirang group (extended API).
+
+    backend_options: a xirang.Options, or None for the defaults (an object of another backend's
+    options type is ignored, as gloo does, so that "cpu:xirang,cuda:nccl" can take NCCL's).
+    Knobs are read through xirang._C (declared in csrc/core/env.cc); a bad value raises ValueError
+    naming the knob and the accepted values before any rank touches the store.
+    """
     C = load_C()
     opts = backend_options if isinstance(backend_options, Options) else Options()
-    elastic = _env_flag("XIRANG_ELASTIC") if opts.elastic is None else bool(opts.elastic)
+    C.env_log_level()  # XIRANG_DEBUG: WARN, INFO or TRACE
+    elastic = C.env_bool("XIRANG_ELASTIC") if opts.elastic is None else opts.elastic
+    join = C.env_bool("XIRANG_JOIN")
     heartbeat_s = opts.heartbeat_s
     if heartbeat_s is None:
-        raw = os.environ.get("XIRANG_HEARTBEAT_S") or "1.0"
-        try:
-            heartbeat_s = float(raw)
-        except ValueError:
-            raise ValueError(f"XIRANG_HEARTBEAT_S must be a number of seconds, got {raw!r}") from None
-        if not heartbeat_s > 0:
-            raise ValueError(f"XIRANG_HEARTBEAT_S must be > 0 seconds, got {raw!r}")
+        heartbeat_s = C.env_double("XIRANG_HEARTBEAT_S")
+        if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
+            raise ValueError(f"XIRANG_HEARTBEAT_S must be > 0 seconds (finite), got {C.env_get('XIRANG_HEARTBEAT_S')!r}")
+    order = opts.ring_order or C.env_get("XIRANG_RING_ORDER")
+    if order not in _RING_ORDERS:
+        raise ValueError(f"XIRANG_RING_ORDER must be topology or rank, got {order!r}")
     timeout = dist_backend_opts.timeout.total_seconds()
     if opts.timeout is not None:
         timeout = opts.timeout.total_seconds() if isinstance(opts.timeout, timedelta) else float(opts.timeout)
@@ -124,29 +169,31 @@ def create(dist_backend_opts, backend_options):
     group_name = str(getattr(dist_backend_opts, "group_id", "") or "")
     global_ranks = list(getattr(dist_backend_opts, "global_ranks_in_group", []) or range(size))
     global_rank = int(global_ranks[rank]) if rank < len(global_ranks) else rank
-
-    # Topology labels of every rank, exchanged through the group's (prefixed) store.
-    host, rack = _labels()
-    hosts, racks, ring = [host], [rack], []
-    if size > 1:
-        store.set(f"xirang/label/{rank}", f"{host}\t{rack}")
-        labels = []
-        for r in range(size):
-            h, k = store.get(f"xirang/label/{r}").decode().split("\t")
-            labels.append((r, h, k))
-        hosts = [h for _, h, _ in labels]
-        racks = [k for _, _, k in labels]
-        order = opts.ring_order or os.environ.get("XIRANG_RING_ORDER") or "topology"
-        if order not in ("topology", "rank"):
-            raise ValueError(f"XIRANG_RING_ORDER must be topology or rank, got {order!r}")
-        ring = list(C.ring_order(labels, order == "topology"))
-    run_id = os.environ.get("XIRANG_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
-    stats_dir = os.environ.get("XIRANG_STATS_DIR", "")
+    run_id = C.env_get("XIRANG_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    stats_dir = C.env_get("XIRANG_STATS_DIR")
     if stats_dir:
         try:
             os.makedirs(stats_dir, exist_ok=True)
         except OSError as e:
             raise OSError(f"XIRANG_STATS_DIR={stats_dir!r}: cannot create the directory: {e}") from None
+
+    # This creation's generation: every store key of the group lives under it, so a store that
+    # outlives an earlier creation (torchrun's restarts) never hands this one that one's keys.
+    generation = C.generation(store, rank, size, timeout, join, group_name)
+    ns = C.key_namespace(generation)
+
+    # Topology labels of every rank, exchanged through the group's (prefixed) store.
+    host, rack = _labels(C)
+    hosts, racks, ring = [host], [rack], []
+    if size > 1:
+        store.set(f"{ns}/label/{rank}", f"{host}\t{rack}")
+        labels = []
+        for r in range(size):
+            h, k = store.get(f"{ns}/label/{r}").decode().split("\t")
+            labels.append((r, h, k))
+        hosts = [h for _, h, _ in labels]
+        racks = [k for _, _, k in labels]
+        ring = list(C.ring_order(labels, order == "topology"))
     return C.ProcessGroupXirang(
         store,
         rank,
@@ -162,7 +209,8 @@ def create(dist_backend_opts, backend_options):
         run_id,
         elastic,
         heartbeat_s,
-        _env_flag("XIRANG_JOIN"),
+        join,
+        generation,
     )
 
 

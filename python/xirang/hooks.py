@@ -204,7 +204,8 @@ class BF16ErrorFeedbackState:
         layers_per_group: consecutive layers per group, i.e. per backend call. Typical: 8
             (a few dozen groups for a large transformer: enough overlap, few launches); 1 reduces
             each layer on its own (most overlap, most launches); ``None`` puts the whole model in
-            one group (no overlap, one launch).
+            one group (no overlap, one launch). A positive ``int`` (``TypeError`` for another type,
+            ``bool`` included; ``ValueError`` below 1).
         layers: override of the layer list (modules, in the order they count). Default:
             :func:`default_layers` (top-level blocks with parameters; ``ModuleList``/
             ``Sequential`` containers stand for their children; else leaf modules). A tied
@@ -246,10 +247,12 @@ class BF16ErrorFeedbackState:
         error_feedback: bool = True,
         measure_readiness: bool = True,
     ):
-        if layers_per_group is not None and (
-            not isinstance(layers_per_group, int) or layers_per_group < 1
-        ):
-            raise ValueError(f"layers_per_group must be an int >= 1 or None, got {layers_per_group!r}")
+        if layers_per_group is not None:
+            if isinstance(layers_per_group, bool) or not isinstance(layers_per_group, int):
+                raise TypeError(f"layers_per_group must be a positive int or None, got "
+                                f"{type(layers_per_group).__name__} {layers_per_group!r}")
+            if layers_per_group < 1:
+                raise ValueError(f"layers_per_group must be a positive int or None, got {layers_per_group!r}")
         if not isinstance(min_compress_numel, int) or min_compress_numel < 1:
             raise ValueError(f"min_compress_numel must be an int >= 1, got {min_compress_numel!r}")
         self.layers_per_group = layers_per_group

@@ -106,6 +106,11 @@ def test_errors():
         _state(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 4)))
     with pytest.raises(ValueError):
         _state(hw.TinyLM(), layers_per_group=0)
+    with pytest.raises(ValueError, match="positive int"):
+        _state(hw.TinyLM(), layers_per_group=-2)
+    for bad in (True, 2.0, "8"):
+        with pytest.raises(TypeError, match="layers_per_group must be a positive int or None"):
+            _state(hw.TinyLM(), layers_per_group=bad)
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         hooks.register_comm_hook(hw.TinyLM())
     sig = inspect.signature(hooks.bf16_error_feedback_hook)

@@ -1,4 +1,6 @@
-"""Group options and knobs: xirang.Options(timeout=timedelta), bad knob values, XIRANG_ELASTIC."""
+"""Group options and knobs: xirang.Options(timeout=timedelta), bad options and knob values,
+the one boolean rule, XIRANG_DEBUG."""
+import datetime
 import os
 import subprocess
 import sys
@@ -40,8 +42,17 @@ def test_options_timeout_accepts_timedelta_and_seconds():
     ("XIRANG_SEGMENT_BYTES", "0", "XIRANG_SEGMENT_BYTES=0 is too small"),
     ("XIRANG_SEGMENT_BYTES", "abc", "XIRANG_SEGMENT_BYTES='abc' is not an integer"),
     ("XIRANG_ALGO", "bogus", "must be auto, ring, direct or two_level"),
-    ("XIRANG_ELASTIC", "maybe", "XIRANG_ELASTIC must be 0 or 1"),
+    ("XIRANG_ELASTIC", "maybe", "ValueError xirang: XIRANG_ELASTIC='maybe' is not a boolean: accepted values are "
+                                "1, true, yes, on and 0, false, no, off (case-insensitive)"),
+    ("XIRANG_ELASTIC", "2", "XIRANG_ELASTIC='2' is not a boolean"),
+    ("XIRANG_JOIN", "y", "ValueError xirang: XIRANG_JOIN='y' is not a boolean"),
+    ("XIRANG_STATS", "none", "ValueError xirang: XIRANG_STATS='none' is not a boolean"),
     ("XIRANG_HEARTBEAT_S", "0", "XIRANG_HEARTBEAT_S must be > 0"),
+    ("XIRANG_HEARTBEAT_S", "inf", "XIRANG_HEARTBEAT_S must be > 0 seconds (finite)"),
+    ("XIRANG_HEARTBEAT_S", "soon", "ValueError xirang: XIRANG_HEARTBEAT_S='soon' is not a number"),
+    ("XIRANG_DEBUG", "LOUD", "ValueError xirang: XIRANG_DEBUG='LOUD' is not a log level: accepted values are "
+                             "WARN, INFO, TRACE (case-insensitive)"),
+    ("XIRANG_RING_ORDER", "random", "XIRANG_RING_ORDER must be topology or rank"),
 ])
 def test_bad_knobs_fail_group_creation_clearly(knob, value, pattern):
     out = _run(
@@ -54,3 +65,85 @@ def test_bad_knobs_fail_group_creation_clearly(knob, value, pattern):
         **{knob: value},
     )
     assert "ERROR" in out.stdout and pattern in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
+
+
+@pytest.mark.parametrize("knob,value,elastic", [
+    ("XIRANG_ELASTIC", "yes", True), ("XIRANG_ELASTIC", "TRUE", True), ("XIRANG_ELASTIC", "On", True),
+    ("XIRANG_ELASTIC", "1", True), ("XIRANG_ELASTIC", "off", False), ("XIRANG_ELASTIC", "No", False),
+    ("XIRANG_DEBUG", "info", False), ("XIRANG_DEBUG", "Trace", False), ("XIRANG_DEBUG", "warn", False),
+])
+def test_good_knob_values_are_taken(knob, value, elastic):
+    out = _run(
+        """
+        dist.init_process_group("xirang", store=store, rank=0, world_size=1)
+        x = torch.ones(3); dist.all_reduce(x); assert x.tolist() == [1.0, 1.0, 1.0]
+        be = xirang._backend_for()
+        print("ELASTIC", be.elastic, "GEN", be.generation)
+        """,
+        **{knob: value},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"ELASTIC {elastic} GEN " in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("kwargs,exc,pattern", [
+    (dict(timeout=-1), ValueError, "timeout must be a positive number of seconds"),
+    (dict(timeout=0), ValueError, "timeout must be a positive number of seconds"),
+    (dict(timeout=float("nan")), ValueError, "timeout must be"),
+    (dict(timeout=float("inf")), ValueError, "timeout must be"),
+    (dict(timeout=datetime.timedelta(0)), ValueError, "or a positive datetime.timedelta"),
+    (dict(timeout=datetime.timedelta(seconds=-3)), ValueError, "timeout must be"),
+    (dict(timeout="5"), TypeError, "timeout must be .* got str '5'"),
+    (dict(timeout=True), TypeError, "timeout must be .* got bool True"),
+    (dict(algorithm="fast"), ValueError, "algorithm must be one of 'auto', 'ring', 'direct', 'two_level', got 'fast'"),
+    (dict(algorithm=None), TypeError, "algorithm must be one of"),
+    (dict(ring_order="random"), ValueError, "ring_order must be one of 'topology', 'rank' or None"),
+    (dict(ring_order=0), TypeError, "ring_order must be one of"),
+    (dict(elastic=1), TypeError, "elastic must be True, False or None, got int 1"),
+    (dict(elastic="yes"), TypeError, "elastic must be True, False or None"),
+    (dict(heartbeat_s=0), ValueError, "heartbeat_s must be a positive number of seconds"),
+    (dict(heartbeat_s=-0.5), ValueError, "heartbeat_s must be"),
+    (dict(heartbeat_s=False), TypeError, "heartbeat_s must be .* got bool"),
+    (dict(heartbeat_s="1"), TypeError, "heartbeat_s must be .* got str"),
+])
+def test_bad_options_fail_at_construction(kwargs, exc, pattern):
+    import xirang
+
+    with pytest.raises(exc, match=pattern):
+        xirang.Options(**kwargs)
+    field, value = next(iter(kwargs.items()))
+    opts = xirang.Options()
+    with pytest.raises(exc, match=pattern):  # on assignment too
+        setattr(opts, field, value)
+    assert getattr(opts, field) == getattr(xirang.Options(), field)  # unchanged
+
+
+def test_good_options_are_kept_and_unknown_fields_refused():
+    import xirang
+
+    o = xirang.Options(timeout=2, algorithm="ring", ring_order="rank", elastic=False, heartbeat_s=0.5)
+    assert (o.timeout, o.algorithm, o.ring_order, o.elastic, o.heartbeat_s) == (2, "ring", "rank", False, 0.5)
+    o.timeout = datetime.timedelta(milliseconds=1500)
+    assert o.timeout.total_seconds() == 1.5
+    with pytest.raises(AttributeError, match="no field 'timout'"):
+        o.timout = 3
+
+
+def test_options_int_timeout_bounds_group_creation():
+    """timeout=1 (an int) is the group's timeout: rank 0 of 2 whose peer never comes fails to
+    create the group after about 1 s, naming the missing rank, instead of waiting 30 minutes."""
+    out = _run(
+        """
+        import time
+        t0 = time.monotonic()
+        try:
+            dist.init_process_group("xirang", store=store, rank=0, world_size=2, pg_options=xirang.Options(timeout=1))
+        except Exception as e:
+            print("ERROR", round(time.monotonic() - t0, 1), e)
+        """
+    )
+    assert "ERROR" in out.stdout and "did not take part in the group's generation handshake" in out.stdout, \
+        (out.stdout[-2000:], out.stderr[-2000:])
+    assert "ranks [1] of 2" in out.stdout
+    secs = float(out.stdout.split("ERROR", 1)[1].split()[0])
+    assert 0.9 <= secs < 30, out.stdout
