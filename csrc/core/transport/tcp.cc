@@ -106,7 +106,12 @@ std::string sockaddrToString(const sockaddr* sa) {
   }
   auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
   inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
-  return "[" + std::string(host) + "]:" + std::to_string(ntohs(in6->sin6_port));
+  // Appended piecewise: `"[" + std::string(host)` trips GCC 12's false -Wrestrict (PR 105329).
+  std::string out = "[";
+  out += host;
+  out += "]:";
+  out += std::to_string(ntohs(in6->sin6_port));
+  return out;
 }
 
 int bindListen(const sockaddr* sa, socklen_t len, std::string* address) {
@@ -617,7 +622,7 @@ struct OutStream {
   int peer;
   std::vector<OutFrame> frames;
   size_t cur = 0;
-  uint8_t hdr[kHeaderBytes];
+  uint8_t hdr[kHeaderBytes] = {};
   size_t hdr_off = 0;
   uint64_t pay_off = 0;
   bool hdr_ready = false;
@@ -629,13 +634,13 @@ struct InStream {
   int peer;
   std::vector<InFrame> frames;
   size_t cur = 0;
-  uint8_t hdr[kHeaderBytes];
+  uint8_t hdr[kHeaderBytes] = {};
   size_t hdr_off = 0;
   uint64_t pay_off = 0;
   bool hdr_ok = false;
   uint64_t bytes_done = 0;
   bool stashing = false;  // reading a p2p message with another tag into the stash
-  Tcp::Stashed stash;
+  Tcp::Stashed stash{};
 };
 
 [[noreturn]] void throwAbortFrom(int fd, int peer, const uint8_t* hdr) {
