@@ -106,7 +106,7 @@ std::string sockaddrToString(const sockaddr* sa) {
   }
   auto* in6 = reinterpret_cast<const sockaddr_in6*>(sa);
   inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
-  // Appended piecewise: `"[" + std::string(host)` trips GCC 12's false -Wrestrict (PR 105329).
+  // Appended piecewise: `"[" + std::string(host)` trips a false -Wrestrict of GCC 12 (C++20).
   std::string out = "[";
   out += host;
   out += "]:";
