@@ -7,6 +7,11 @@ CUDA: the CUDA path (csrc/cuda, -DXIRANG_WITH_CUDA) is compiled when the install
 /usr/local/cuda). XIRANG_BUILD_CUDA=0 turns it off; XIRANG_BUILD_CUDA=1 makes a missing
 nvcc an error instead of a CPU-only build. TORCH_CUDA_ARCH_LIST defaults to "9.0+PTX"
 (H100/H200, plus PTX for later GPUs) so a GPU-less build host does not compile every arch.
+
+Warnings: xirang's own C++ is compiled at -Wall -Wextra and must stay warning-free; torch's (and
+CUDA's) headers are passed as -isystem, so their warnings are not shown. XIRANG_WERROR=1 adds
+-Werror (tests/run.sh sets it, so CI fails on a new warning); a plain install does not, so a newer
+compiler's new warnings never stop a user's build.
 """
 import os
 import re
@@ -48,7 +53,7 @@ if _cuda_home and not os.environ.get("CUDA_HOME"):
 
 try:
     import torch
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths
 except ImportError as e:  # pragma: no cover - build-time message
     raise SystemExit(
         "xirang builds against the torch already installed: install torch first, then run "
@@ -107,7 +112,13 @@ build_info.write_text(
 )
 
 # -ffp-contract=off: the codec's bits must not depend on FMA contraction.
-cxx_flags = ["-O3", "-ffp-contract=off", "-Wall", "-Wno-unused-parameter"]
+cxx_flags = ["-O3", "-ffp-contract=off", "-Wall", "-Wextra"]
+# torch's headers (and CUDA's) as system headers: GCC drops a -I that is also given as -isystem,
+# so their own -Wextra warnings (unused parameters, ...) are not reported as ours.
+for _inc in include_paths("cuda" if WITH_CUDA else "cpu"):
+    cxx_flags += ["-isystem", _inc]
+if os.environ.get("XIRANG_WERROR", "").strip().lower() in ("1", "true", "yes", "on"):
+    cxx_flags.append("-Werror")
 if WITH_CUDA:
     from torch.utils.cpp_extension import CUDAExtension
 

@@ -45,11 +45,31 @@ common=(XIRANG_ELASTIC=1 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" WORLD_SIZE=4
         TORCHELASTIC_USE_AGENT_STORE=True OMP_NUM_THREADS=1)
 args=(examples/train.py --elastic --steps "$steps" --die-at "$die_at" --die-ranks 2,3
       --admit-every 20 --log-every 20 --no-progress --summary "$out/summary.json" "$@")
+node_b=()
 for r in 0 1 2 3; do
     env "${common[@]}" RANK=$r LOCAL_RANK=$((r % 2)) "$PY" "${args[@]}" >"$out/rank$r.log" 2>&1 &
     pids+=($!)
     [ "$r" = 0 ] && rank0=$!
+    if [ "$r" -ge 2 ]; then
+        node_b+=($!)
+        # Node B's ranks SIGKILL themselves at step $die_at: not jobs of this shell, or bash
+        # reports each as "Killed"; the watcher below says what happened instead.
+        disown $!
+    fi
 done
+# Announces node B's (simulated) loss once both its ranks are gone; each logs the line first.
+(
+    for p in "${node_b[@]}"; do
+        while kill -0 "$p" 2>/dev/null; do sleep 0.2; done
+    done
+    marker="simulating the loss of its node"
+    if grep -q "$marker" "$out/rank2.log" && grep -q "$marker" "$out/rank3.log"; then
+        echo "elastic demo: simulating the loss of node B: ranks 2 and 3 killed themselves (SIGKILL) at step $die_at" >&2
+    else
+        echo "elastic demo: node B's ranks 2 and 3 exited without the simulated loss; logs: $out/rank2.log, $out/rank3.log" >&2
+    fi
+) &
+pids+=($!)
 # The spare node C: two processes that wait in init_process_group until the live ranks admit
 # them in ranks 2 and 3's places (DDP needs every rank, so both are admitted together).
 spares=()

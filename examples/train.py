@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import gc
 import glob
+import inspect
 import json
 import logging
 import math
@@ -62,6 +63,17 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 log = logging.getLogger("xirang.examples.train")
+
+
+def no_forward_buffer_sync() -> Dict[str, bool]:
+    """DDP keyword that turns off the per-forward buffer broadcast from rank 0 (elastic mode: that
+    broadcast would raise MembershipChanged mid-forward when a rank dies). torch >= 2.13 calls it
+    ``forward_sync_buffers`` and deprecates ``broadcast_buffers`` (a FutureWarning per DDP); the
+    buffers are still broadcast once at construction, as the parameters are, which is what a
+    rebuilt DDP after an admission wants. Older torch: ``broadcast_buffers=False``."""
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 LAST_N_LOSS = 20  # "final loss" = mean of the last 20 steps' global loss
 PER_FILE_BYTES = 16_384  # default text corpus: at most this much of each stdlib file (variety)
@@ -594,7 +606,7 @@ def _train_in_group(cfg: RunConfig, args: argparse.Namespace, launch: Launch, da
 
     # Elastic: no per-forward buffer broadcast (its root may be gone); see README "Elastic mode".
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=args.bucket_cap_mb, broadcast_buffers=not args.elastic)
+              bucket_cap_mb=args.bucket_cap_mb, **(no_forward_buffer_sync() if args.elastic else {}))
     state = None
     if cfg.hook == "bf16-ef":
         state = xirang.register_comm_hook(ddp, layers_per_group=args.layers_per_group)
@@ -630,6 +642,8 @@ def _train_in_group(cfg: RunConfig, args: argparse.Namespace, launch: Launch, da
     for step in range(start_step, stop):
         if args.elastic:
             if args.die_at == step and rank in args.die_ranks:
+                log.warning("rank %d: simulating the loss of its node: SIGKILL at step %d", rank, step)
+                logging.shutdown()  # the line is out before the process is
                 os.kill(os.getpid(), signal.SIGKILL)  # the demo's node crash
             if args.admit_every and step > start_step and step % args.admit_every == 0:
                 ddp, state = _admit_spares(xirang, model, opt, ddp, state, step, args, device)
@@ -759,7 +773,7 @@ def _admit_spares(xirang: Any, model: nn.Module, opt: Any, ddp: DDP, state: Any,
     del ddp, state
     gc.collect()  # the old DDP reducer's autograd hooks go with it
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=args.bucket_cap_mb, broadcast_buffers=False)
+              bucket_cap_mb=args.bucket_cap_mb, **no_forward_buffer_sync())
     state = None
     if args.hook == "bf16-ef":
         state = xirang.register_comm_hook(ddp, layers_per_group=args.layers_per_group)

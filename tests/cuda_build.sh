@@ -4,7 +4,7 @@
 #     bash tests/cuda_build.sh            # extra arguments go to pytest
 #
 #  1. venv build/venv-cuda with torch==$XIRANG_CUDA_TORCH (default 2.14.1, a CUDA build), numpy,
-#     pytest, ninja, setuptools, wheel, scikit-learn, tqdm. When $XIRANG_CUDA_VENV_REUSE (default /work/venv-cuda)
+#     pytest, ninja, setuptools >= 77, wheel, scikit-learn, tqdm. When $XIRANG_CUDA_VENV_REUSE (default /work/venv-cuda)
 #     already holds that torch with CUDA, the new venv sees its site-packages through a .pth file
 #     instead of installing torch again (nothing is written into the reused venv).
 #  2. Builds xirang there with the CUDA path (XIRANG_BUILD_CUDA=1: nvcc must be found) from a copy
@@ -55,15 +55,15 @@ if ! "$PY" -c "$probe" >/dev/null 2>&1; then
     fi
     "$PY" -c "$probe" || fail "torch $torch_version with CUDA is not importable in $venv"
 fi
-# setuptools new enough for bdist_wheel without `wheel`, ninja, the test deps. The reused
+# setuptools >= 77 (pyproject.toml's SPDX license string; it has bdist_wheel), ninja, the test deps. The reused
 # site-packages come after the venv's own (old setuptools from ensurepip shadows them): upgrade.
 # scikit-learn and tqdm: the test extras (examples/train.py, the hook's convergence test).
-"$PY" - <<'EOF' || "$PY" -m pip install -q --upgrade "setuptools>=70.1" wheel ninja numpy pytest scikit-learn tqdm \
+"$PY" - <<'EOF' || "$PY" -m pip install -q --upgrade "setuptools>=77" wheel ninja numpy pytest scikit-learn tqdm \
     || fail "pip install build/test deps"
 import importlib.util, shutil, setuptools, sys
 v = tuple(int(x) for x in setuptools.__version__.split(".")[:2])
 mods = ("numpy", "pytest", "ninja", "wheel", "sklearn", "tqdm")
-ok = v >= (70, 1) and all(importlib.util.find_spec(m) for m in mods)
+ok = v >= (77, 0) and all(importlib.util.find_spec(m) for m in mods)
 sys.exit(0 if ok else 1)
 EOF
 export PATH="$venv/bin:$PATH:$reuse/bin"   # ninja: the venv's, else the reused venv's

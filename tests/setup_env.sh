@@ -16,7 +16,8 @@
 #   XIRANG_CONSTRAINT   a pip constraint file pinning the present torch (use it with `pip -c`)
 #   XIRANG_AVAILABLE    1 if `import xirang` works after the build, else 0
 #   XIRANG_BUILD_ERROR  why it is 0 (empty when 1)
-# Knobs: XIRANG_TORCH_VERSION (default 2.13.0), XIRANG_FORCE_REBUILD=1, XIRANG_SKIP_BUILD=1.
+# Knobs: XIRANG_TORCH_VERSION (default 2.13.0), XIRANG_FORCE_REBUILD=1, XIRANG_SKIP_BUILD=1,
+# XIRANG_WERROR=1 (build xirang._C with -Werror: a warning in xirang's own C++ fails the build).
 # Returns non-zero only when no usable Python with torch can be had.
 
 _xr_log() { printf '[setup_env] %s\n' "$*" >&2; }
@@ -58,7 +59,8 @@ _xr_setup() {
     export XIRANG_CONSTRAINT
 
     # 2. Python dependencies: what the demo and tests import, and what building xirang without
-    #    build isolation needs (setuptools new enough to have bdist_wheel, ninja for a parallel build).
+    #    build isolation needs (setuptools >= 77 for pyproject.toml's SPDX `license` string, and
+    #    it has bdist_wheel built in; ninja for a parallel build).
     export PATH="$(dirname "$PY"):$PATH"    # a venv's ninja and console scripts
     local missing=()
     # shellcheck disable=SC2207
@@ -72,8 +74,8 @@ try:
     v = tuple(int(x) for x in setuptools.__version__.split(".")[:2])
 except Exception:
     v = (0, 0)
-if v < (70, 1) and importlib.util.find_spec("wheel") is None:
-    print("setuptools>=70.1")
+if v < (77, 0):
+    print("setuptools>=77")
 if shutil.which("ninja") is None:
     print("ninja")
 PYEOF
@@ -106,15 +108,21 @@ PYEOF
                     | LC_ALL=C sort | xargs -r sha256sum
             } | sha256sum | cut -d' ' -f1
         )"
-        if [ "${XIRANG_FORCE_REBUILD:-0}" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ] \
+        # The stamp's second word says whether that build ran with -Werror (XIRANG_WERROR=1, as
+        # tests/run.sh asks): a -Werror build also satisfies a plain request, not the other way.
+        local werror=0 have_hash="" have_werror=0
+        case "${XIRANG_WERROR:-}" in 1|true|yes|on) werror=1 ;; esac
+        if [ -f "$stamp" ]; then read -r have_hash have_werror < "$stamp" || true; fi
+        if [ "${XIRANG_FORCE_REBUILD:-0}" != 1 ] && [ "$have_hash" = "$hash" ] \
+            && [ "${have_werror:-0}" = 1 -o "$werror" = 0 ] \
             && (cd /tmp && "$PY" -c 'import xirang') >/dev/null 2>&1; then
             _xr_log "xirang is installed and up to date (stamp $stamp)"
         else
-            _xr_log "building and installing xirang (pip install --no-build-isolation .)"
+            _xr_log "building and installing xirang (pip install --no-build-isolation .$([ "$werror" = 1 ] && echo ', -Werror'))"
             rm -f "$stamp"
-            if (cd "$XIRANG_ROOT" && "$PY" -m pip install --no-build-isolation --no-deps \
+            if (cd "$XIRANG_ROOT" && XIRANG_WERROR=$werror "$PY" -m pip install --no-build-isolation --no-deps \
                     -c "$XIRANG_CONSTRAINT" . >&2); then
-                echo "$hash" > "$stamp"
+                echo "$hash $werror" > "$stamp"
             else
                 XIRANG_BUILD_ERROR="pip install --no-build-isolation . failed (see the output above)"
             fi

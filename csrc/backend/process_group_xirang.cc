@@ -1173,8 +1173,6 @@ void checkReduce(int rank, const char* op, at::ScalarType t, ReduceOp r) {
   }
 }
 
-int64_t timeoutMs(std::chrono::milliseconds t) { return t.count(); }
-
 }  // namespace
 
 // Runs the reduce `op` of the user's dtype on an fp32-or-native buffer, with AVG/PREMUL scaling.

@@ -123,6 +123,43 @@ def default_layers(root: nn.Module) -> List[nn.Module]:
     return layers
 
 
+def _warn_if_coarse(root: nn.Module, layer_list: List[nn.Module], layer_params: List[List[nn.Parameter]],
+                    n_groups: int, mod_names: Dict[int, str]) -> None:
+    """WARNING on logger "xirang" when :func:`default_layers` cut ``root`` too coarsely for
+    overlap: fewer than 2 groups, or one layer holding more than half the parameters (e.g. HF
+    ``GPT2LMHeadModel``: its ``transformer`` is one layer; an ``nn.TransformerEncoder`` between an
+    embedding and a head). Names the ``layers=`` argument, with the block list found inside the
+    largest layer as the example."""
+    sizes = [sum(p.numel() for p in ps) for ps in layer_params]
+    total = sum(sizes)
+    if total == 0:
+        return
+    big = max(range(len(sizes)), key=sizes.__getitem__)
+    share = sizes[big] / total
+    if n_groups >= 2 and share <= 0.5:
+        return
+    why = [f"{len(layer_list)} layer(s) in {n_groups} group(s)"]
+    if share > 0.5:
+        why.append(f"'{mod_names.get(id(layer_list[big]), '?')}' ({type(layer_list[big]).__name__}) "
+                   f"holds {share:.0%} of the parameters")
+    # The example: the container of blocks (ModuleList/Sequential of >= 2 parameterised children)
+    # with the most parameters inside the largest layer, named from the model's root.
+    best, best_n = None, 0
+    for m in layer_list[big].modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and sum(_has_params(c) for c in m.children()) >= 2:
+            n = sum(p.numel() for p in m.parameters())
+            if n > best_n:
+                best, best_n = m, n
+    if best is not None and mod_names.get(id(best), "<root>") != "<root>":
+        example = f"layers=[*model.{mod_names[id(best)]}]"
+    else:
+        example = "layers=[block_1, block_2, ...]"
+    logging.getLogger("xirang").warning(
+        "xirang hook: the default layer finder gave %s, so little or no communication overlaps "
+        "backward. Pass the layers yourself, e.g. register_comm_hook(ddp, %s) (model = the module "
+        "DDP wraps; parameters in no listed layer form one last group).", "; ".join(why), example)
+
+
 class _Slot:
     """Where one parameter's gradient lives in its group's packed buffers."""
 
@@ -362,6 +399,8 @@ class BF16ErrorFeedbackState:
             group_members.append(([mod_names.get(id(m), type(m).__name__) for m in ls], ps))
         if rest:
             group_members.append((["<params in no layer>"], rest))
+        if self._user_layers is None and self.layers_per_group is not None:
+            _warn_if_coarse(root, layer_list, layer_params, len(group_members), mod_names)
 
         self._slots = {}
         self._groups = []

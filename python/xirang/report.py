@@ -46,6 +46,7 @@ What is derived, and how
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import html
 import json
@@ -69,7 +70,14 @@ NOISE_RATIO = 1.5  # "slowest" is flagged as clear only when it beats the runner
 
 def load_records(path: str) -> Tuple[List[dict], List[str]]:
     """Records from ``path`` (a directory of rank<N>.jsonl, or one .jsonl file), in file order
-    (files sorted by rank number). Returns (records, warnings); malformed lines are skipped."""
+    (files sorted by rank number). Returns (records, warnings).
+
+    A line that is not a JSON object with an ``"op"`` field (not JSON, a truncated last line,
+    another program's log) is skipped and counted: one warning per file names how many of its
+    lines were unreadable and the first few of them. Blank lines are ignored.
+    Bytes that are not UTF-8 are read as U+FFFD (such a line is then usually unreadable JSON).
+    Raises FileNotFoundError when ``path`` does not exist, OSError when a file cannot be read.
+    """
     if os.path.isdir(path):
         files = glob.glob(os.path.join(path, "rank*.jsonl"))
 
@@ -78,27 +86,38 @@ def load_records(path: str) -> Tuple[List[dict], List[str]]:
             return (int(m.group(1)) if m else 1 << 30, f)
 
         files.sort(key=key)
-    else:
+    elif os.path.exists(path):
         files = [path]
+    else:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     recs: List[dict] = []
     warns: List[str] = []
     for f in files:
-        with open(f, encoding="utf-8") as fh:
+        lines = 0
+        bad: List[str] = []
+        with open(f, encoding="utf-8", errors="replace") as fh:
             for i, line in enumerate(fh, 1):
                 line = line.strip()
                 if not line:
                     continue
+                lines += 1
                 try:
                     r = json.loads(line)
                 except json.JSONDecodeError as e:
-                    warns.append(f"{os.path.basename(f)}:{i}: skipped malformed line ({e.msg})")
+                    bad.append(f"line {i}: {e.msg}")
                     continue
-                if isinstance(r, dict):
-                    if "global_rank" not in r:
-                        m = re.search(r"rank(\d+)\.jsonl$", f)
-                        if m:
-                            r["global_rank"] = int(m.group(1))
-                    recs.append(r)
+                if not isinstance(r, dict) or "op" not in r:
+                    bad.append(f"line {i}: not an operation record")
+                    continue
+                if "global_rank" not in r:
+                    m = re.search(r"rank(\d+)\.jsonl$", f)
+                    if m:
+                        r["global_rank"] = int(m.group(1))
+                recs.append(r)
+        if bad:
+            more = f"; {len(bad) - 3} more" if len(bad) > 3 else ""
+            warns.append(f"{os.path.basename(f)}: {len(bad)} of {lines} lines unreadable, skipped "
+                         f"({'; '.join(bad[:3])}{more})")
     return recs, warns
 
 
@@ -711,7 +730,10 @@ def build(path: str, run: Optional[str] = None) -> Tuple[List[dict], Dict[str, A
     """(records of the run shown, analysis, warnings) for a stats directory or .jsonl file."""
     recs, warns = load_records(path)
     if not recs:
-        raise SystemExit(f"xirang.report: no records in {path} (expected rank<N>.jsonl written with XIRANG_STATS_DIR)")
+        why = "; ".join(warns) if warns else (
+            "no rank<N>.jsonl files" if os.path.isdir(path) else "the file is empty")
+        raise SystemExit(f"xirang.report: no records in {path}: {why} "
+                         "(expected rank<N>.jsonl written with XIRANG_STATS_DIR)")
     runs = split_runs(recs)
     names = [n for n, _ in runs]
     if run is None:
@@ -728,6 +750,11 @@ def build(path: str, run: Optional[str] = None) -> Tuple[List[dict], Dict[str, A
     return chosen, analyze(chosen, names, name), warns
 
 
+def _fail(msg: str) -> int:
+    print(f"xirang.report: {msg}", file=sys.stderr)
+    return 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xirang.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="XIRANG_STATS_DIR of a run (rank<N>.jsonl files), or one .jsonl file")
@@ -735,12 +762,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--run", default=None, help="run to show (run id, 'id #k', or index; default: the last)")
     ap.add_argument("--json", action="store_true", help="print the analysis as JSON instead of the summary")
     args = ap.parse_args(argv)
-    recs, a, warns = build(args.dir, args.run)
+    try:
+        recs, a, warns = build(args.dir, args.run)
+    except OSError as e:  # one line naming the path, not a traceback
+        return _fail(f"cannot read {e.filename or args.dir}: {e.strerror or e}")
     for w in warns:
         print(f"xirang.report: {w}", file=sys.stderr)
     page = render_html(recs, a)
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.write(page)
+    try:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as e:
+        return _fail(f"cannot write {args.output}: {e.strerror or e}")
     if args.json:
         print(json.dumps(a, indent=1))
     else:

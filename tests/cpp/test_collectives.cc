@@ -571,8 +571,11 @@ TEST_CASE("collectives: reduceScatter, even and uneven blocks", "[collectives]")
         std::vector<int64_t> counts(n, sz.count);
         if (uneven)
           for (int b = 0; b < n; ++b) counts[b] = sz.count + (b * 3) % 5;
-        const std::string label = "x" + std::to_string(sz.count) + (uneven ? " uneven" : "") + " seg" +
-                                  std::to_string(sz.segment_bytes);
+        // Appended, not `"x" + std::to_string(...)`: GCC 12 (C++20) reports a false -Wrestrict there.
+        std::string label = "x";
+        label += std::to_string(sz.count);
+        label += uneven ? " uneven seg" : " seg";
+        label += std::to_string(sz.segment_bytes);
         reduceScatterCase<float>(comm, n, DType::Float32, ReduceOp::Sum, counts, ++seq, logs[r], "f32 sum " + label);
         reduceScatterCase<int64_t>(comm, n, DType::Int64, ReduceOp::Sum, counts, ++seq, logs[r], "i64 sum " + label);
         reduceScatterCase<int32_t>(comm, n, DType::Int32, ReduceOp::Max, counts, ++seq, logs[r], "i32 max " + label);

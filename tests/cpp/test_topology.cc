@@ -66,7 +66,10 @@ TEST_CASE("single rack / single host: no crossings", "[topology]") {
   std::vector<RankLabel> oneRack;
   for (int r = 0; r < 6; ++r) {
     oneHost.push_back(RankLabel{r, "h", "", 0});
-    oneRack.push_back(RankLabel{r, "h" + std::to_string(r % 3), "rackA", 0});
+    // Appended, not `"h" + std::to_string(...)`: GCC 12 (C++20) reports a false -Wrestrict there.
+    std::string host = "h";
+    host += std::to_string(r % 3);
+    oneRack.push_back(RankLabel{r, host, "rackA", 0});
   }
   for (auto mode : {RingOrder::Topology, RingOrder::Rank}) {
     const auto a = topo::ringOrder(oneHost, mode);
@@ -100,7 +103,8 @@ TEST_CASE("ringOrder is a permutation and the topology ring minimises crossings"
     for (int r = 0; r < n; ++r) {
       const int rk = static_cast<int>(rng() % racks);
       const int h = static_cast<int>(rng() % hostsPerRack);
-      const std::string rack = "r" + std::to_string(rk);
+      std::string rack = "r";  // appended: see the -Wrestrict note above
+      rack += std::to_string(rk);
       const std::string host = rack + "h" + std::to_string(h);
       usedRacks.insert(rack);
       usedHosts.insert(host);

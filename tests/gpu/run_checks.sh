@@ -60,6 +60,10 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$summary" 2>&1 || true
 
 # --- build ------------------------------------------------------------------------------------
+# pyproject.toml's SPDX license string needs setuptools >= 77 (no build isolation here).
+if ! "$PY" -c "import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split('.')[:2])) < (77, 0))" 2>/dev/null; then
+    "$PY" -m pip install -q "setuptools>=77" > "$OUT/setuptools-install.log" 2>&1 || note "FAIL setuptools>=77 install"
+fi
 if ! step build 170 env XIRANG_BUILD_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -v "$root"; then
     note "build failed: nothing else can run"
     exit 1

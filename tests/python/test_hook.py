@@ -9,6 +9,7 @@ Three tiers:
 """
 
 import inspect
+import logging
 import os
 import pickle
 import sys
@@ -87,6 +88,85 @@ def test_user_layers_and_wrappers():
     assert [x["layers"] for x in _state(seq, layers_per_group=1).groups] == [["0"], ["2"]]
     one = nn.Sequential(hw.Block(40))  # one block: its leaves are the layers
     assert [x["layers"] for x in _state(one, layers_per_group=1).groups] == [["0.ln"], ["0.fc"]]
+
+
+def _coarse_warnings(caplog, model, **kw):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="xirang"):
+        st = _state(model, **kw)
+    return st, [r for r in caplog.records if r.name == "xirang" and "default layer finder" in r.getMessage()]
+
+
+def _share(part, whole):
+    return sum(p.numel() for p in part.parameters()) / sum(p.numel() for p in whole.parameters())
+
+
+class _EncoderLM(nn.Module):
+    """An embedding, a whole nn.TransformerEncoder, a head: the default finder sees 3 layers."""
+
+    def __init__(self, vocab=64, d=32, n_layers=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(d, 4, 2 * d, batch_first=True), n_layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+
+def test_coarse_default_layers_warn_transformer_encoder(caplog):
+    """Issue #15, item 20: the default finder takes the whole encoder as one layer (one group at
+    8 layers per group): a WARNING on logger "xirang" names layers= with the encoder's blocks."""
+    m = _EncoderLM()
+    st, recs = _coarse_warnings(caplog, m, layers_per_group=8)
+    assert [x["layers"] for x in st.groups] == [["emb", "encoder", "head"]]  # what it warns about
+    assert len(recs) == 1 and recs[0].levelno == logging.WARNING
+    msg = recs[0].getMessage()
+    assert "layers=[*model.encoder.layers]" in msg and "3 layer(s) in 1 group(s)" in msg, msg
+    assert f"'encoder' (TransformerEncoder) holds {_share(m.encoder, m):.0%} of the parameters" in msg, msg
+    # even with one layer per group (3 groups) the encoder holds more than half: still warned
+    assert len(_coarse_warnings(caplog, m, layers_per_group=1)[1]) == 1
+    # the suggestion works: 4 encoder blocks as layers, 1 per group -> 4 groups + the rest, no warning
+    st, recs = _coarse_warnings(caplog, m, layers_per_group=1, layers=[*m.encoder.layers])
+    assert not recs and len(st.groups) == 5
+    # a model the finder cuts well (8 blocks of equal size) and an explicit single group: quiet
+    assert not _coarse_warnings(caplog, hw.TinyLM(), layers_per_group=2)[1]
+    assert not _coarse_warnings(caplog, m, layers_per_group=None)[1]
+
+
+class _GPT2Shaped(nn.Module):
+    """HF GPT2LMHeadModel's shape: transformer.{wte, wpe, h (ModuleList), ln_f}, a tied lm_head."""
+
+    def __init__(self, vocab=64, d=32, n_layers=4):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.wte = nn.Embedding(vocab, d)
+        self.transformer.wpe = nn.Embedding(16, d)
+        self.transformer.h = nn.ModuleList(hw.Block(d) for _ in range(n_layers))
+        self.transformer.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+
+def _check_gpt2_warning(caplog, m):
+    st, recs = _coarse_warnings(caplog, m, layers_per_group=8)
+    assert [x["layers"] for x in st.groups] == [["transformer"]]  # one group: no overlap
+    assert len(recs) == 1, [r.getMessage() for r in caplog.records]
+    msg = recs[0].getMessage()
+    assert "1 layer(s) in 1 group(s)" in msg and "layers=[*model.transformer.h]" in msg, msg
+    assert "'transformer'" in msg and "holds 100% of the parameters" in msg, msg
+    st, recs = _coarse_warnings(caplog, m, layers_per_group=1, layers=[*m.transformer.h])
+    assert not recs and len(st.groups) == len(m.transformer.h) + 1
+
+
+def test_coarse_default_layers_warn_gpt2_shaped(caplog):
+    _check_gpt2_warning(caplog, _GPT2Shaped())
+
+
+def test_coarse_default_layers_warn_hf_gpt2(caplog):
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (optional)")
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    _check_gpt2_warning(caplog, transformers.GPT2LMHeadModel(cfg))  # random init, no download
 
 
 def test_kinds_and_frozen():

@@ -663,3 +663,69 @@ def test_exporters_missing_packages_say_what_to_install(monkeypatch):
         exporters.start_prometheus(port=0)
     with pytest.raises(ImportError, match="pip install tensorboard"):
         exporters.TensorBoardExporter("/tmp/none")
+
+
+def _report_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "xirang.report", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    """A missing input, an empty directory and an unwritable output: one line on stderr naming
+    the path, a non-zero exit, no traceback (issue #15, item 16)."""
+    missing = str(tmp_path / "nope")
+    p = _report_cli(missing, "-o", str(tmp_path / "x.html"))
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == [f"xirang.report: cannot read {missing}: No such file or directory"]
+    assert not (tmp_path / "x.html").exists()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = _report_cli(str(empty), "-o", str(tmp_path / "x.html"))
+    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"no records in {empty}: no rank<N>.jsonl files" in p.stderr
+
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(_rec(0, s)) + "\n" for s in (1, 2)))
+    out = tmp_path / "no-such-dir" / "x.html"
+    p = _report_cli(str(good), "-o", str(out))
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == [f"xirang.report: cannot write {out}: No such file or directory"]
+
+
+def test_unreadable_lines_are_counted(tmp_path):
+    """Garbage lines are counted per file ("3 of 10 lines unreadable") and the first ones named;
+    a file of nothing but garbage says so in its one-line error."""
+    from xirang import report
+
+    r = {s: json.dumps(_rec(0, s)) for s in (1, 2, 4, 6, 7)}
+    lines = [r[1],
+             "",                # line 2: blank, neither a record nor unreadable
+             r[2],
+             "garbage",         # line 4: not JSON
+             r[4],
+             "[1, 2]",          # line 6: JSON, not an object
+             r[6],
+             '{"x": 1}',        # line 8: an object, not an operation record
+             r[7],
+             '{"op": "all_re']  # line 10: truncated (a rank killed mid-write)
+    f = tmp_path / "rank0.jsonl"
+    f.write_text("\n".join(lines))
+    recs, warns = report.load_records(str(f))
+    assert [r["seq"] for r in recs] == [1, 2, 4, 6, 7]
+    assert len(warns) == 1, warns
+    w = warns[0]
+    assert w.startswith("rank0.jsonl: 4 of 9 lines unreadable"), w
+    assert "line 4: Expecting value" in w and "line 6: not an operation record" in w, w
+    assert "1 more" in w, w
+    # Through the command line: the warning on stderr, the report still written.
+    p = _report_cli(str(f), "-o", str(tmp_path / "r.html"))
+    assert p.returncode == 0, p.stderr
+    assert "xirang.report: rank0.jsonl: 4 of 9 lines unreadable" in p.stderr
+
+    junk = tmp_path / "junk.jsonl"
+    junk.write_bytes(b"hello\nworld\n\xff\xfe\x00binary\n")
+    p = _report_cli(str(junk), "-o", str(tmp_path / "j.html"))
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and f"no records in {junk}: junk.jsonl: 3 of 3 lines unreadable" in err[0], err
