@@ -297,7 +297,7 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "xirang rank ", rank, ": creating group '", cfg_.group_name, "' failed: ", e.what());
   }
-  comm_.tcp = tcp_.get();
+  comm_.link = tcp_.get();
   comm_.rank = rank;
   if (cfg_.ring.empty()) {
     for (int r = 0; r < size; ++r) comm_.ring.push_back(r);
@@ -741,7 +741,7 @@ void ProcessGroupXirang::installEpoch(const elastic::Decision& d, const transpor
     std::lock_guard<std::mutex> g(mem_mu_);
     old = std::move(tcp_);
     tcp_ = std::move(fresh);
-    comm_.tcp = tcp_.get();
+    comm_.link = tcp_.get();
     comm_.ring = ring;
     comm_.local_group.clear();  // the two-level plan assumed the old hosts: the ring from now on
     comm_.cross_group.clear();
@@ -1177,31 +1177,7 @@ void checkReduce(int rank, const char* op, at::ScalarType t, ReduceOp r) {
 
 // Runs the reduce `op` of the user's dtype on an fp32-or-native buffer, with AVG/PREMUL scaling.
 static void reduceAll(const Comm& comm, const OpCtx& ctx, at::Tensor& buf, ReduceOp op, double premul) {
-  DType wire = wireDType(buf);
-  if (wire == DType::Float16 || wire == DType::BFloat16) {
-    // Rounded once either way. A forced ring / two-level algorithm, or a two-level plan (hosts
-    // matter), keeps the topology: fp32 partial sums on that algorithm (2x the bytes of 16-bit).
-    // Otherwise 16 bits on the wire with fp32 accumulation at each chunk's owner (allreduce16).
-    const bool keep_topology = comm.algo == Comm::Algo::Ring || comm.algo == Comm::Algo::TwoLevel ||
-                               !comm.local_group.empty();
-    if (keep_topology) {
-      at::Tensor wide = buf.to(at::kFloat);
-      reduceAll(comm, ctx, wide, op, premul);
-      buf.copy_(wide);
-      return;
-    }
-    ReduceOp wop = (op == ReduceOp::Avg || op == ReduceOp::PremulSum) ? ReduceOp::Sum : op;
-    float post = op == ReduceOp::Avg ? 1.0f / static_cast<float>(comm.size()) : 1.0f;
-    allreduce16(comm, ctx, static_cast<uint16_t*>(buf.data_ptr()), buf.numel(), wire, wop,
-                static_cast<float>(premul), post);
-    return;
-  }
-  // AVG divides before summing (like the compressed ring), so N values near the dtype's max
-  // average to a finite number instead of overflowing.
-  if (op == ReduceOp::PremulSum) scale(buf.data_ptr(), buf.numel(), wire, premul);
-  if (op == ReduceOp::Avg) scale(buf.data_ptr(), buf.numel(), wire, 1.0 / comm.size());
-  ReduceOp wop = (op == ReduceOp::Avg || op == ReduceOp::PremulSum) ? ReduceOp::Sum : op;
-  allreduce(comm, ctx, buf.data_ptr(), buf.numel(), wire, wop);
+  allreduceOp(comm, ctx, buf.data_ptr(), buf.numel(), wireDType(buf), op, premul);  // core/planner.h
 }
 
 // ---------------------------------------------------------------- collectives
@@ -1713,13 +1689,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_reduce_scatter_base(at::Tens
     at::Tensor buf = is16BitFloat(input.scalar_type()) ? input.to(at::kFloat).reshape(-1)
                                                        : input.reshape(-1).clone(at::MemoryFormat::Contiguous);
     DType wire = wireDType(buf);
-    if (op == ReduceOp::PremulSum) scale(buf.data_ptr(), buf.numel(), wire, premul);
-    if (op == ReduceOp::Avg) scale(buf.data_ptr(), buf.numel(), wire, 1.0 / size_);  // before: no overflow
+    const Scaling sc = scalingFor(op, premul, size_);  // AVG divides before the sum: no overflow
+    if (sc.factor != 1.0) scale(buf.data_ptr(), buf.numel(), wire, sc.factor);
     uint64_t b = static_cast<uint64_t>(output.numel()) * buf.element_size();
     std::vector<RecvSeg> blocks;
     for (int r = 0; r < size_; ++r) blocks.push_back(RecvSeg{static_cast<uint8_t*>(buf.data_ptr()) + b * r, b});
-    ReduceOp wop = (op == ReduceOp::Avg || op == ReduceOp::PremulSum) ? ReduceOp::Sum : op;
-    xirang::reduceScatter(comm_, ctx, blocks, wire, wop);
+    xirang::reduceScatter(comm_, ctx, blocks, wire, sc.wire_op);
     at::Tensor mine = buf.narrow(0, output.numel() * rank_, output.numel());
     output.copy_(mine.view(output.sizes()));
   };

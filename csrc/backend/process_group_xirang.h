@@ -29,6 +29,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "core/collectives.h"
+#include "core/planner.h"
+#include "core/transport/tcp.h"
 #include "core/membership.h"
 #include "core/transport/tcp.h"
 #ifdef XIRANG_WITH_CUDA
