@@ -1,6 +1,6 @@
 // The collective algorithms on raw buffers: ring allreduce (scatter-reduce + allgather,
 // Patarasuk & Yuan 2009), the latency-optimal direct exchange for small messages, the BF16
-// error-feedback ring (the compressed ring of ../shared/DESIGN.md), pipelined chain broadcast,
+// error-feedback ring (codec.h: every hop's rounding error fed back), pipelined chain broadcast,
 // ring allgather / reduce-scatter, and direct alltoall / gather / scatter. Implemented in
 // core/algorithms/ over one ring scatter-reduce loop and one ring allgather loop (loops.h), a
 // transport::Link and an algo::Reducer; which algorithm an allreduce takes, and its AVG /

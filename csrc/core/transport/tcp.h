@@ -125,6 +125,8 @@ class Tcp : public Link, public P2PLinks {
   void countSent(uint64_t bytes) override { payload_sent_ += bytes; }
 
  private:
+  class Exchange;  // one exchange()'s pump (tcp_exchange.cc)
+  friend class Exchange;
   int outgoing(int peer, Deadline deadline);  // collective fd we send on
   int incoming(int peer, Deadline deadline);  // collective fd we receive on
   int tryIncoming(int peer);                  // the same, or -1 if not connected yet
