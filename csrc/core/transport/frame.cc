@@ -1,6 +1,13 @@
 #include "core/transport/frame.h"
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstring>
+#include <utility>
+
+#include "core/env.h"
 
 namespace xirang::transport {
 
@@ -115,6 +122,22 @@ std::string compareHeader(const FrameHeader& e, const FrameHeader& g, int peer) 
     add("frame length mismatch: expected " + std::to_string(e.payload_bytes) + " bytes, " + who +
         " sent " + std::to_string(g.payload_bytes));
   return out;
+}
+
+void dieAfterSegmentsHook(int rank, uint64_t payload) {
+  static const std::pair<int64_t, int> knob = [] {
+    std::string v = env::get("XIRANG_TEST_DIE_AFTER_SEGMENTS");
+    size_t at = v.find('@');
+    try {
+      return std::make_pair(static_cast<int64_t>(std::stoll(v.substr(0, at))),
+                            at == std::string::npos ? -1 : std::stoi(v.substr(at + 1)));
+    } catch (const std::exception&) {
+      return std::make_pair(int64_t{0}, -1);
+    }
+  }();
+  static std::atomic<int64_t> sent{0};
+  if (knob.first <= 0 || payload == 0 || (knob.second >= 0 && knob.second != rank)) return;
+  if (++sent >= knob.first) ::kill(::getpid(), SIGKILL);
 }
 
 }  // namespace xirang::transport

@@ -64,4 +64,10 @@ FrameHeader decodeHeader(const uint8_t* in);
 // first (a stranger or another xirang version). `peer` is the sender's rank for the message.
 std::string compareHeader(const FrameHeader& expected, const FrameHeader& got, int peer);
 
+// XIRANG_TEST_DIE_AFTER_SEGMENTS=k[@r] (test only): the process (only group rank r's, with @r)
+// kills itself, as a crashed machine would vanish, right after sending its k-th data frame with
+// a payload (elastic mode's failure injection). Every transport calls it once per data frame
+// (shared memory: once per piece it wrote), with the frame's payload bytes.
+void dieAfterSegmentsHook(int rank, uint64_t payload);
+
 }  // namespace xirang::transport

@@ -19,25 +19,6 @@ namespace xirang::transport {
 
 namespace {
 
-// XIRANG_TEST_DIE_AFTER_SEGMENTS=k[@r] (test only): the process (only group rank r's, with @r)
-// kills itself, as a crashed machine would vanish, right after sending its k-th data frame with
-// a payload (elastic mode's failure injection).
-void dieAfterSegmentsHook(int rank, uint64_t payload) {
-  static const std::pair<int64_t, int> knob = [] {
-    std::string v = env::get("XIRANG_TEST_DIE_AFTER_SEGMENTS");
-    size_t at = v.find('@');
-    try {
-      return std::make_pair(static_cast<int64_t>(std::stoll(v.substr(0, at))),
-                            at == std::string::npos ? -1 : std::stoi(v.substr(at + 1)));
-    } catch (const std::exception&) {
-      return std::make_pair(int64_t{0}, -1);
-    }
-  }();
-  static std::atomic<int64_t> sent{0};
-  if (knob.first <= 0 || payload == 0 || (knob.second >= 0 && knob.second != rank)) return;
-  if (++sent >= knob.first) ::kill(::getpid(), SIGKILL);
-}
-
 // XIRANG_SEND_THREAD_BYTES: sends of at least this many bytes to one peer during a receive get
 // their own thread (0: never).
 int64_t sendThreadBytes() {
