@@ -74,6 +74,7 @@ struct PeerStat {
 struct Phases {
   double encode_s = 0, scatter_reduce_s = 0, allgather_s = 0, decode_s = 0;
   uint64_t bytes_sent = 0;  // payload only, headers excluded
+  uint64_t bytes_shm = 0;   // payload this rank wrote into shared memory (algorithms/shm.h)
   const char* algorithm = "";
   std::map<int, PeerStat> peers;
 };
@@ -99,6 +100,10 @@ void runExchange(const Comm& comm, const OpCtx& ctx, std::vector<transport::Send
 // every rank reduces all inputs in rank order); larger ones the two-level plan where one exists,
 // else the segmented ring. Results are bitwise identical on all ranks.
 void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);
+
+// The algorithm allreduce() runs for these arguments on a comm of more than one rank: Direct,
+// TwoLevel or Ring (never Auto).
+Comm::Algo allreduceAlgo(const Comm& comm, int64_t numel, DType wire);
 
 // The two algorithms allreduce() picks from above the small-message size, callable directly.
 void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);

@@ -48,26 +48,35 @@ AllreducePlan planAllreduce(const Comm& comm, DType dtype, ReduceOp op, double p
 
 void allreduceOp(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType dtype, ReduceOp op,
                  double premul) {
+  AllreduceImpl engine;
+  engine.native = [&](void* d, int64_t n, DType wire, ReduceOp o) { allreduce(comm, ctx, d, n, wire, o); };
+  engine.direct16 = [&](uint16_t* d, int64_t n, DType t, ReduceOp o, float pre, float post) {
+    allreduce16(comm, ctx, d, n, t, o, pre, post);
+  };
+  allreduceOp(comm, engine, data, numel, dtype, op, premul);
+}
+
+void allreduceOp(const Comm& comm, const AllreduceImpl& impl, void* data, int64_t numel, DType dtype, ReduceOp op,
+                 double premul) {
   const std::string err = checkReduceOp(is16BitFloat(dtype) ? DType::Float32 : dtype, op);
   if (!err.empty()) throw std::invalid_argument("xirang: allreduce: " + err);
   const AllreducePlan p = planAllreduce(comm, dtype, op, premul);
   algo::Reducer& red = *comm.reducer;
   switch (p.path) {
     case AllreducePlan::Path::Direct16:
-      allreduce16(comm, ctx, static_cast<uint16_t*>(data), numel, dtype, p.wire_op, static_cast<float>(p.pre_scale),
-                  p.post_scale);
+      impl.direct16(static_cast<uint16_t*>(data), numel, dtype, p.wire_op, static_cast<float>(p.pre_scale), p.post_scale);
       return;
     case AllreducePlan::Path::Widened: {
       float* wide = reinterpret_cast<float*>(comm.scratchBytes(3, static_cast<size_t>(numel) * sizeof(float)));
       red.widen(static_cast<const uint16_t*>(data), wide, numel, dtype);
       if (p.pre_scale != 1.0) red.scale(wide, numel, DType::Float32, p.pre_scale);
-      allreduce(comm, ctx, wide, numel, DType::Float32, p.wire_op);
+      impl.native(wide, numel, DType::Float32, p.wire_op);
       red.narrow(wide, static_cast<uint16_t*>(data), numel, dtype);
       return;
     }
     case AllreducePlan::Path::Native:
       if (p.pre_scale != 1.0) red.scale(data, numel, dtype, p.pre_scale);
-      allreduce(comm, ctx, data, numel, dtype, p.wire_op);
+      impl.native(data, numel, dtype, p.wire_op);
       return;
   }
 }

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "core/collectives.h"
@@ -47,6 +48,17 @@ const char* pathName(AllreducePlan::Path p);
 // (any ReduceOp the dtype allows, AVG and PREMUL_SUM with `premul` included). Results are
 // bitwise identical on all ranks. Throws std::invalid_argument for an op the dtype does not have.
 void allreduceOp(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType dtype, ReduceOp op,
+                 double premul = 1.0);
+
+// What a plan runs on: `native` reduces numel elements of a non-16-bit dtype in place with a
+// plain op (allreduce()'s contract), `direct16` is allreduce16's contract. allreduceOp above
+// runs the engine's (over comm.link); the shared-memory algorithms (algorithms/shm.h) pass theirs.
+struct AllreduceImpl {
+  std::function<void(void* data, int64_t numel, DType wire, ReduceOp op)> native;
+  std::function<void(uint16_t* data, int64_t numel, DType t, ReduceOp op, float pre_scale, float post_scale)> direct16;
+};
+// allreduceOp with the algorithms of `impl`: the same checks, plan, widening and scaling.
+void allreduceOp(const Comm& comm, const AllreduceImpl& impl, void* data, int64_t numel, DType dtype, ReduceOp op,
                  double premul = 1.0);
 
 }  // namespace xirang

@@ -142,19 +142,24 @@ void twoLevelAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t n
   if (ctx.phases) ctx.phases->algorithm = "two_level";
 }
 
-void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
-  if (comm.size() <= 1) return;
+Comm::Algo allreduceAlgo(const Comm& comm, int64_t numel, DType wire) {
   const uint64_t bytes = static_cast<uint64_t>(numel) * elementSize(wire);
   const bool small = bytes <= static_cast<uint64_t>(comm.small_bytes) || numel < comm.size();
   const bool two_level_ok = comm.local_group.size() > 1 && comm.cross_group.size() > 1 &&
                             numel >= static_cast<int64_t>(comm.local_group.size());
   // numel == 0 still exchanges (empty) frames so a rank that disagrees about the size is told.
-  if (numel == 0 || comm.algo == Comm::Algo::Direct || (comm.algo == Comm::Algo::Auto && small)) {
-    directAllreduce(comm, ctx, data, numel, wire, op);
-  } else if (two_level_ok && (comm.algo == Comm::Algo::TwoLevel || comm.algo == Comm::Algo::Auto)) {
-    twoLevelAllreduce(comm, ctx, data, numel, wire, op);
-  } else {
-    ringAllreduce(comm, ctx, data, numel, wire, op);
+  if (numel == 0 || comm.algo == Comm::Algo::Direct || (comm.algo == Comm::Algo::Auto && small))
+    return Comm::Algo::Direct;
+  if (two_level_ok && (comm.algo == Comm::Algo::TwoLevel || comm.algo == Comm::Algo::Auto)) return Comm::Algo::TwoLevel;
+  return Comm::Algo::Ring;
+}
+
+void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
+  if (comm.size() <= 1) return;
+  switch (allreduceAlgo(comm, numel, wire)) {
+    case Comm::Algo::Direct: directAllreduce(comm, ctx, data, numel, wire, op); return;
+    case Comm::Algo::TwoLevel: twoLevelAllreduce(comm, ctx, data, numel, wire, op); return;
+    default: ringAllreduce(comm, ctx, data, numel, wire, op); return;
   }
 }
 
