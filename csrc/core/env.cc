@@ -19,7 +19,6 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_SEGMENT_BYTES", "1048576", "ring segment size in bytes: encode, send, receive and reduce of different segments overlap"},
       {"XIRANG_SMALL_BYTES", "65536", "messages up to this many bytes take the latency-optimal direct exchange instead of the ring"},
       {"XIRANG_SEND_THREAD_BYTES", "1048576", "a ring step that sends at least this many bytes to one peer while receiving pumps the send on a helper thread (0: never)"},
-      {"XIRANG_TRANSPORT_LOCAL", "auto", "ranks on the same host: auto (shared memory where all of a host's ranks can map one segment, else TCP), shm (shared memory; an error where it cannot be set up), tcp (loopback TCP, like Gloo)"},
       {"XIRANG_SHM_BYTES", "4194304", "shared-memory slot per same-host rank, bytes, 4096 to 1073741824 (the segment holds one per local rank): collectives move messages through it in pieces of about this size; 4 MiB keeps 8 ranks within Docker's default 64 MiB /dev/shm, and at 4 MiB a piece's copies cost far more than its two barriers"},
       {"XIRANG_CODEC", "auto", "codec path: auto, avx512bf16, avx2, scalar"},
       {"XIRANG_CUDA_TRANSPORT", "auto", "CUDA tensors: auto or host (pinned host staging + TCP); nccl is not implemented yet"},

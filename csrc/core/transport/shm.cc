@@ -265,8 +265,7 @@ std::unique_ptr<ShmDomain> ShmDomain::create(int rank, std::vector<int> local_ra
           close(fd);
           why = "cannot reserve " + std::to_string(total) + " bytes (" + std::to_string(n) + " local ranks x " +
                 std::to_string(slot) + " bytes) in /dev/shm (" + errnoText(e) +
-                "): give /dev/shm more room (docker run --shm-size), lower XIRANG_SHM_BYTES, or set "
-                "XIRANG_TRANSPORT_LOCAL=tcp";
+                "): give /dev/shm more room (docker run --shm-size) or lower XIRANG_SHM_BYTES";
         } else {
           why = mapFd(fd, total);
           if (!why.empty()) why = "cannot map the segment (" + why + ")";
