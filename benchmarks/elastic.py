@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Elastic mode (#8): how long the survivors take to go on after a rank (or a host) dies.
+"""Elastic mode: how long the survivors take to go on after a rank (or a host) dies.
 
     python3 benchmarks/elastic.py                      # loopback WS 2..8 x 3 trials, then the emulated cluster (~1.5 min)
     python3 benchmarks/elastic.py --ws 4,8 --trials 10 --size 16M --markdown --json /tmp/el.json

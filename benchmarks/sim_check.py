@@ -1,4 +1,4 @@
-"""Check xirang.sim against this machine and the emulated cluster (issue #9).
+"""Check xirang.sim against this machine and the emulated cluster.
 
 1. Calibrate on measured WS=2 xirang allreduce, 1-16 MiB float32 (in sample): alpha (per ring step)
    and beta (per byte of a ring chunk).

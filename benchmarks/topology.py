@@ -300,14 +300,7 @@ def main() -> int:
     import netns
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--racks", type=int, default=2)
-    ap.add_argument("--hosts-per-rack", type=int, default=2)
-    ap.add_argument("--ranks-per-host", type=int, default=2)
-    ap.add_argument("--placement", default="roundrobin", choices=("roundrobin", "block"))
-    ap.add_argument("--rate", default="200mbit", help="rack uplink rate, each direction (tc tbf)")
-    ap.add_argument("--delay", default="1ms", help="one-way cross-rack latency (netem, else an "
-                    "NFQUEUE delay line; '' for none)")
-    ap.add_argument("--queue", default=netns.UPLINK_QUEUE, help="uplink queue, as tc tbf latency (tests/cluster/netns)")
+    netns.add_cluster_args(ap, ranks_per_host=2)
     ap.add_argument("--sizes", default="1M,4M,16M,64M")
     ap.add_argument("--reps", default="auto", help="repetitions per size: auto (3 below 16 MiB, 2 at "
                     "16 MiB, 1 above) or a number")

@@ -46,7 +46,7 @@ except ImportError:  # the older package name
 
 class HookOnEveryDeviceDDPStrategy(DDPStrategy):
     """DDPStrategy that registers ``ddp_comm_hook`` on CPU too (Lightning only does so on CUDA) and
-    averages integer tensors in float64 (xirang rejects AVG on integers, as issue #2 asks)."""
+    averages integer tensors in float64 (xirang rejects AVG on integers)."""
 
     def _register_ddp_hooks(self) -> None:
         if self.root_device.type == "cuda" or self._ddp_comm_hook is None:

@@ -64,6 +64,7 @@ Modules: ``base`` (names, ip/tc), ``probe`` (what the machine allows), ``cluster
 the clean-up of leftovers), ``cli``.
 """
 from .base import BASE, DELAYQ, IFNAME, NFQUEUE_NUM, UPLINK_QUEUE, ClusterUnavailable
+from .cli import add_cluster_args
 from .cluster import Cluster, Host
 from .launch import RankResult, launch, launch_torchrun, placement
 from .measure import measure, tcp_mbit
@@ -71,7 +72,7 @@ from .probe import delay_method, netem_available, nfqueue_available, ping_rtt_ms
 from .reap import cleanup_stale, leftovers, list_links, list_namespaces, reap
 
 __all__ = [
-    "BASE", "DELAYQ", "IFNAME", "NFQUEUE_NUM", "UPLINK_QUEUE", "ClusterUnavailable", "Cluster", "Host", "RankResult",
+    "add_cluster_args", "BASE", "DELAYQ", "IFNAME", "NFQUEUE_NUM", "UPLINK_QUEUE", "ClusterUnavailable", "Cluster", "Host", "RankResult",
     "launch", "launch_torchrun", "placement", "measure", "tcp_mbit", "delay_method", "netem_available",
     "nfqueue_available", "ping_rtt_ms", "probe", "cleanup_stale", "leftovers", "list_links", "list_namespaces", "reap",
 ]

@@ -15,17 +15,23 @@ from .probe import delay_method, netem_available, nfqueue_available, probe
 from .reap import cleanup_stale
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_cluster_args(ap: argparse.ArgumentParser, ranks_per_host: int = 1) -> None:
+    """The cluster's shape and links: --racks, --hosts-per-rack, --ranks-per-host, --placement,
+    --rate, --delay, --queue (what Cluster() and launch() take)."""
     ap.add_argument("--racks", type=int, default=2)
     ap.add_argument("--hosts-per-rack", type=int, default=2)
-    ap.add_argument("--ranks-per-host", type=int, default=1)
+    ap.add_argument("--ranks-per-host", type=int, default=ranks_per_host)
     ap.add_argument("--placement", default="roundrobin", choices=("roundrobin", "block"))
-    ap.add_argument("--rate", default="200mbit", help="rack uplink rate (tc tbf), '' for none")
+    ap.add_argument("--rate", default="200mbit", help="rack uplink rate, each direction (tc tbf), '' for none")
     ap.add_argument("--delay", default="1ms", help="one-way cross-rack latency (netem, else the NFQUEUE "
                     "delay line delayq.py), '' for none")
     ap.add_argument("--queue", default=UPLINK_QUEUE, help="uplink queue, as tc tbf latency (the time a full queue "
                     "takes to drain at --rate)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cluster_args(ap)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--measure", action="store_true", help="bring the cluster up, print ping RTT and TCP "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -275,12 +276,7 @@ class Cluster:
                 if r.returncode != 0 and "Cannot find device" not in r.stderr:  # gone with its peer
                     problems.append(f"link del {link}: {r.stderr.strip()}")
         self._created_links = []
-        try:
-            for f in os.listdir(self._tmp):
-                os.unlink(os.path.join(self._tmp, f))
-            os.rmdir(self._tmp)
-        except OSError:
-            pass
+        shutil.rmtree(self._tmp, ignore_errors=True)
         for sig, h in self._old_handlers.items():
             try:
                 signal.signal(sig, h)

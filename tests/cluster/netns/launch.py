@@ -85,13 +85,9 @@ def launch(cluster: Cluster, argv: Sequence[str], ranks_per_host: int = 1, mode:
                 break
             time.sleep(0.05)
         rcs = [p.poll() for p in procs]
-        results = [RankResult(r, hosts[r].ns, rcs[r], read_text(logs[r])) for r in range(ws)]
-        if any(rc != 0 for rc in rcs):
-            why = "timed out" if any(rc is None for rc in rcs) and not failed else f"ranks {failed or []} failed"
-            tails = "\n".join(f"--- rank {x.rank} on {x.host} rc={x.returncode}:\n{x.log[-3000:]}"
-                              for x in results if x.returncode != 0)
-            raise RuntimeError(f"launch {why}; rc per rank {rcs}\n{tails}")
-        return results
+        why = "timed out" if any(rc is None for rc in rcs) and not failed else f"ranks {failed or []} failed"
+        return _results([(r, hosts[r].ns) for r in range(ws)], rcs, logs, f"launch {why}; rc per rank",
+                        lambda x: f"rank {x.rank} on {x.host}")
     finally:
         reap(procs)
         del store
@@ -131,15 +127,21 @@ def launch_torchrun(cluster: Cluster, argv: Sequence[str], nproc_per_host: int =
                 deadline = min(deadline, time.monotonic() + 15.0)
             time.sleep(0.1)
         rcs = [p.poll() for p in procs]
-        results = [RankResult(h.index, h.ns, rcs[i], read_text(logs[i])) for i, h in enumerate(cluster.hosts)]
-        if any(rc != 0 for rc in rcs):
-            tails = "\n".join(f"--- agent on {x.host} rc={x.returncode}:\n{x.log[-3000:]}"
-                              for x in results if x.returncode != 0)
-            raise RuntimeError(f"torchrun launch failed or timed out; rc per host {rcs}\n{tails}")
-        return results
+        return _results([(h.index, h.ns) for h in cluster.hosts], rcs, logs,
+                        "torchrun launch failed or timed out; rc per host", lambda x: f"agent on {x.host}")
     finally:
         reap(procs)
         del store
+
+
+def _results(who: list, rcs: list, logs: list, failure: str, label) -> list[RankResult]:
+    """One RankResult per (rank, host) in ``who`` with its log; RuntimeError ``failure rcs`` and the
+    failed ones' log tails (each headed by ``label(result)``) when any return code is not 0."""
+    results = [RankResult(r, host, rc, read_text(log)) for (r, host), rc, log in zip(who, rcs, logs)]
+    if any(rc != 0 for rc in rcs):
+        tails = "\n".join(f"--- {label(x)} rc={x.returncode}:\n{x.log[-3000:]}" for x in results if x.returncode != 0)
+        raise RuntimeError(f"{failure} {rcs}\n{tails}")
+    return results
 
 
 def read_text(path: str) -> str:
