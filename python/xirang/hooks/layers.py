@@ -14,37 +14,45 @@ def _has_params(m: nn.Module) -> bool:
     return next(m.parameters(), None) is not None
 
 
-def _expand_containers(m: nn.Module) -> List[nn.Module]:
-    """A ModuleList/Sequential/ModuleDict stands for its children (recursively)."""
-    if isinstance(m, _CONTAINERS):
-        out: List[nn.Module] = []
-        for c in m.children():
-            if _has_params(c):
-                out.extend(_expand_containers(c))
-        return out
-    return [m]
+def _is_block_list(m: nn.Module) -> bool:
+    """A ``ModuleList``/``Sequential`` of >= 2 blocks of one type, each a composite module (with
+    parameterised children of its own): GPT-2's ``h``, Llama's ``layers``, BERT's ``encoder.layer``,
+    ``TransformerEncoder.layers``, a ResNet stage, a ViT's ``blocks``. ``Sequential(Linear, ReLU,
+    Linear)`` is not one (its elements are leaves)."""
+    if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+        return False
+    kids = [c for c in m.children() if _has_params(c)]
+    return (len(kids) >= 2 and len({type(c) for c in kids}) == 1
+            and all(any(_has_params(g) for g in c.children()) for c in kids))
+
+
+def _cut(m: nn.Module) -> List[nn.Module]:
+    """``m`` as one layer, unless it is a container or holds a block list somewhere beneath it:
+    then its parameterised children, each cut the same way."""
+    if not isinstance(m, _CONTAINERS) and not any(_is_block_list(x) for x in m.modules()):
+        return [m]
+    out: List[nn.Module] = []
+    for c in m.children():
+        if _has_params(c):
+            out.extend(_cut(c))
+    return out
 
 
 def default_layers(root: nn.Module) -> List[nn.Module]:
-    """The default layers of ``root``, in registration order.
+    """The default layers of ``root``, in registration order: one layer per block.
 
-    Single-child wrappers without parameters of their own are looked through. Then each
-    top-level child that holds parameters is a layer, except containers (``ModuleList``,
-    ``Sequential``, ``ModuleDict``), whose children are the layers (a ``ModuleList`` of
-    transformer blocks gives one layer per block). If that yields fewer than two layers, the
-    leaf modules with parameters are the layers instead.
+    A module is split into its children (recursively) while it is a container (``ModuleList``,
+    ``Sequential``, ``ModuleDict``) or holds a block list (:func:`_is_block_list`) beneath it; every
+    other module with parameters is one layer. So HF GPT-2 gives ``transformer.wte``,
+    ``transformer.wpe``, ``transformer.h.0`` .. ``h.N``, ``transformer.ln_f``, ``lm_head``; Llama
+    ``model.embed_tokens``, ``model.layers.i``, ``model.norm``, ``lm_head``; BERT
+    ``bert.embeddings``, ``bert.encoder.layer.i``, ...; an ``nn.TransformerEncoder`` anywhere in a
+    model its ``layers.i``; a ResNet ``conv1``, ``bn1``, ``layer1.0`` .. ``layer4.k``, ``fc``.
+    Parameters of a split module itself (a ViT's ``cls_token``, ``pos_embed``) are in no layer:
+    they form the hook's last group. If that yields fewer than two layers, the leaf modules with
+    parameters are the layers instead. Pass ``layers=`` to the hook's state to choose yourself.
     """
-    m = root
-    while True:
-        kids = [c for c in m.children() if _has_params(c)]
-        own = next(m.parameters(recurse=False), None) is not None
-        if len(kids) == 1 and not own and not isinstance(kids[0], _CONTAINERS):
-            m = kids[0]
-            continue
-        break
-    layers: List[nn.Module] = []
-    for c in kids:
-        layers.extend(_expand_containers(c))
+    layers = _cut(root)
     if len(layers) < 2:
         layers = [
             x for x in root.modules() if next(x.parameters(recurse=False), None) is not None
@@ -54,11 +62,11 @@ def default_layers(root: nn.Module) -> List[nn.Module]:
 
 def warn_if_coarse(layer_list: List[nn.Module], layer_params: List[List[nn.Parameter]],
                    n_groups: int, mod_names: Dict[int, str]) -> None:
-    """WARNING on logger "xirang" when :func:`default_layers` cut the model too coarsely for
-    overlap: fewer than 2 groups, or one layer holding more than half the parameters (e.g. HF
-    ``GPT2LMHeadModel``: its ``transformer`` is one layer; an ``nn.TransformerEncoder`` between an
-    embedding and a head). Names the ``layers=`` argument, with the block list found inside the
-    largest layer as the example."""
+    """WARNING on logger "xirang" when the default layers give too coarse a cut for overlap:
+    fewer than 2 groups, or one layer holding more than half the parameters (a model whose blocks
+    the finder cannot see). Names the ``layers=`` argument, with the block list found inside the
+    largest layer as the example, or ``layers_per_group=`` when the layers are fine but one group
+    takes them all."""
     sizes = [sum(p.numel() for p in ps) for ps in layer_params]
     total = sum(sizes)
     if total == 0:
@@ -79,11 +87,14 @@ def warn_if_coarse(layer_list: List[nn.Module], layer_params: List[List[nn.Param
             n = sum(p.numel() for p in m.parameters())
             if n > best_n:
                 best, best_n = m, n
-    if best is not None and mod_names.get(id(best), "<root>") != "<root>":
+    if share > 0.5 and best is not None and mod_names.get(id(best), "<root>") != "<root>":
         example = f"layers=[*model.{mod_names[id(best)]}]"
+    elif share <= 0.5 and len(layer_list) >= 2:
+        example = f"layers_per_group={max(1, len(layer_list) // 4)}"
     else:
         example = "layers=[block_1, block_2, ...]"
     logging.getLogger("xirang").warning(
         "xirang hook: the default layer finder gave %s, so little or no communication overlaps "
-        "backward. Pass the layers yourself, e.g. register_comm_hook(ddp, %s) (model = the module "
-        "DDP wraps; parameters in no listed layer form one last group).", "; ".join(why), example)
+        "backward. Pass the layers or the group size yourself, e.g. register_comm_hook(ddp, %s) "
+        "(model = the module DDP wraps; parameters in no listed layer form one last group).",
+        "; ".join(why), example)

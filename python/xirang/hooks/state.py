@@ -71,8 +71,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             one group (no overlap, one launch). A positive ``int`` (``TypeError`` for another type,
             ``bool`` included; ``ValueError`` below 1).
         layers: override of the layer list (modules, in the order they count). Default:
-            :func:`default_layers` (top-level blocks with parameters; ``ModuleList``/
-            ``Sequential`` containers stand for their children; else leaf modules). A tied
+            :func:`default_layers` (one layer per block: GPT-2's ``transformer.h.i``, Llama's
+            ``model.layers.i``, BERT's ``encoder.layer.i``, a ResNet's ``layerK.j``, ...). A tied
             parameter belongs to the first layer holding it; parameters in no layer form one
             extra group, the last.
         min_compress_numel: fp32 tensors with ``ndim >= 2`` and at least this many elements
