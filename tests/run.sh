@@ -57,6 +57,12 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2 || echo "tests: could not install ${need[*]}" >&2
     fi
 fi
+# Test-only Python packages: transformers (the hook's layer finder is checked on HF GPT-2, Llama,
+# Mistral and BERT built from small configs; no download) and prometheus_client (the exporter).
+for pkg in transformers prometheus_client; do
+    "$PY" -c "import $pkg" 2>/dev/null || "$PY" -m pip install --quiet -c "$XIRANG_CONSTRAINT" "$pkg" >&2 \
+        || echo "tests: could not install $pkg (its tests skip, saying so)" >&2
+done
 "$PY" -m pytest tests/python -q -p no:cacheprovider "$@"
 
 echo "tests: all passed in $(( $(date +%s) - start )) s" >&2

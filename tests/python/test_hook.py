@@ -112,26 +112,6 @@ class _EncoderLM(nn.Module):
         self.head = nn.Linear(d, vocab)
 
 
-def test_coarse_default_layers_warn_transformer_encoder(caplog):
-    """Issue #15, item 20: the default finder takes the whole encoder as one layer (one group at
-    8 layers per group): a WARNING on logger "xirang" names layers= with the encoder's blocks."""
-    m = _EncoderLM()
-    st, recs = _coarse_warnings(caplog, m, layers_per_group=8)
-    assert [x["layers"] for x in st.groups] == [["emb", "encoder", "head"]]  # what it warns about
-    assert len(recs) == 1 and recs[0].levelno == logging.WARNING
-    msg = recs[0].getMessage()
-    assert "layers=[*model.encoder.layers]" in msg and "3 layer(s) in 1 group(s)" in msg, msg
-    assert f"'encoder' (TransformerEncoder) holds {_share(m.encoder, m):.0%} of the parameters" in msg, msg
-    # even with one layer per group (3 groups) the encoder holds more than half: still warned
-    assert len(_coarse_warnings(caplog, m, layers_per_group=1)[1]) == 1
-    # the suggestion works: 4 encoder blocks as layers, 1 per group -> 4 groups + the rest, no warning
-    st, recs = _coarse_warnings(caplog, m, layers_per_group=1, layers=[*m.encoder.layers])
-    assert not recs and len(st.groups) == 5
-    # a model the finder cuts well (8 blocks of equal size) and an explicit single group: quiet
-    assert not _coarse_warnings(caplog, hw.TinyLM(), layers_per_group=2)[1]
-    assert not _coarse_warnings(caplog, m, layers_per_group=None)[1]
-
-
 class _GPT2Shaped(nn.Module):
     """HF GPT2LMHeadModel's shape: transformer.{wte, wpe, h (ModuleList), ln_f}, a tied lm_head."""
 
@@ -146,27 +126,132 @@ class _GPT2Shaped(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight
 
 
-def _check_gpt2_warning(caplog, m):
-    st, recs = _coarse_warnings(caplog, m, layers_per_group=8)
-    assert [x["layers"] for x in st.groups] == [["transformer"]]  # one group: no overlap
-    assert len(recs) == 1, [r.getMessage() for r in caplog.records]
-    msg = recs[0].getMessage()
-    assert "1 layer(s) in 1 group(s)" in msg and "layers=[*model.transformer.h]" in msg, msg
-    assert "'transformer'" in msg and "holds 100% of the parameters" in msg, msg
-    st, recs = _coarse_warnings(caplog, m, layers_per_group=1, layers=[*m.transformer.h])
-    assert not recs and len(st.groups) == len(m.transformer.h) + 1
+def _layer_names(model, **kw):
+    """The layer names of the groups at one layer per group (what the default finder cut)."""
+    return [n for x in _state(model, layers_per_group=1, **kw).groups for n in x["layers"]]
 
 
-def test_coarse_default_layers_warn_gpt2_shaped(caplog):
-    _check_gpt2_warning(caplog, _GPT2Shaped())
+class _ResNetBlock(nn.Module):
+    """torchvision's BasicBlock shape (conv/bn pairs, a downsample Sequential when strided)."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                           if stride != 1 or cin != cout else None)
 
 
-def test_coarse_default_layers_warn_hf_gpt2(caplog):
-    transformers = pytest.importorskip("transformers", reason="transformers not installed (optional)")
-    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
-                                  bos_token_id=0, eos_token_id=0)
+class _ResNet(nn.Module):
+    """torchvision's ResNet attribute names: conv1, bn1, relu, maxpool, layer1..4, avgpool, fc."""
+
+    def __init__(self, width=8, blocks=2, classes=10):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width)
+        self.relu, self.maxpool = nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        c = width
+        for i in range(1, 5):
+            out = width * 2 ** (i - 1)
+            setattr(self, f"layer{i}", nn.Sequential(*[_ResNetBlock(c if j == 0 else out, out, 1 if i == 1 or j else 2)
+                                                      for j in range(blocks)]))
+            c = out
+        self.avgpool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(c, classes)
+
+
+class _ViT(nn.Module):
+    """timm VisionTransformer's attribute names: patch_embed.proj, cls_token, pos_embed, blocks
+    (Sequential of norm1/attn.{qkv,proj}/norm2/mlp.{fc1,fc2}), norm, head."""
+
+    def __init__(self, d=32, depth=3, classes=10):
+        super().__init__()
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(3, d, 4, 4)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_embed = nn.Parameter(torch.zeros(1, 17, d))
+        blocks = []
+        for _ in range(depth):
+            b = nn.Module()
+            b.norm1, b.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            b.attn = nn.Module()
+            b.attn.qkv, b.attn.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            b.mlp = nn.Module()
+            b.mlp.fc1, b.mlp.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+            blocks.append(b)
+        self.blocks = nn.Sequential(*blocks)
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, classes)
+
+
+def test_default_layers_one_per_block_local_models():
+    """The default finder gives one layer per block (issue: GPT-2 got one group, a model holding a
+    TransformerEncoder got the whole encoder as one layer)."""
+    assert _layer_names(_EncoderLM()) == ["emb", *[f"encoder.layers.{i}" for i in range(4)], "head"]
+    # HF GPT-2's shape: lm_head is tied to wte, so it holds no parameter of its own and is no layer
+    assert _layer_names(_GPT2Shaped()) == ["transformer.wte", "transformer.wpe",
+                                           *[f"transformer.h.{i}" for i in range(4)], "transformer.ln_f"]
+    t = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=3, dim_feedforward=32)
+    assert _layer_names(t) == ["encoder.layers.0", "encoder.layers.1", "encoder.norm",
+                               "decoder.layers.0", "decoder.layers.1", "decoder.layers.2", "decoder.norm"]
+    stages = [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    assert _layer_names(_ResNet()) == ["conv1", "bn1", *stages, "fc"]
+    # a ViT's own cls_token/pos_embed are in no layer: the last group
+    assert _layer_names(_ViT()) == ["patch_embed", "blocks.0", "blocks.1", "blocks.2", "norm", "head",
+                                    "<params in no layer>"]
+    assert _state(_ViT(), layers_per_group=1).groups[-1]["params"] == ["cls_token", "pos_embed"]
+
+
+def _hf():
+    return pytest.importorskip("transformers", reason="transformers not installed (tests/setup_env.sh installs it)")
+
+
+def test_default_layers_one_per_block_hf_models():
+    """HF GPT-2, Llama, Mistral and BERT built from small configs (random init, no download)."""
+    tf = _hf()
     torch.manual_seed(0)
-    _check_gpt2_warning(caplog, transformers.GPT2LMHeadModel(cfg))  # random init, no download
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=3, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
+                                            bos_token_id=0, eos_token_id=0))
+    assert _layer_names(gpt2) == ["transformer.wte", "transformer.wpe", *[f"transformer.h.{i}" for i in range(3)],
+                                  "transformer.ln_f"]  # lm_head: tied to wte
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                 num_key_value_heads=2, vocab_size=64)
+    for cls, cfg in ((tf.LlamaForCausalLM, tf.LlamaConfig), (tf.MistralForCausalLM, tf.MistralConfig)):
+        m = cls(cfg(**small))
+        assert _layer_names(m) == ["model.embed_tokens", *[f"model.layers.{i}" for i in range(3)],
+                                   "model.norm", "lm_head"], cls.__name__
+    bert = tf.BertForMaskedLM(tf.BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                            intermediate_size=64, vocab_size=64, max_position_embeddings=32))
+    names = _layer_names(bert)
+    assert names[:4] == ["bert.embeddings", *[f"bert.encoder.layer.{i}" for i in range(3)]], names
+    assert names[4:] == ["cls"], names  # the MLM head (its decoder weight tied to the word embeddings)
+    st = _state(gpt2)  # the default 8 layers per group: 6 layers, one group
+    assert len(st.groups) == 1
+
+
+def test_coarse_default_layers_warn(caplog):
+    """Fewer than 2 groups, or one layer with most of the parameters: one WARNING on logger
+    "xirang" naming how to cut finer; a good cut and an explicit single group are quiet."""
+    m = _EncoderLM()
+    st, recs = _coarse_warnings(caplog, m, layers_per_group=8)  # 6 layers, one group
+    assert len(st.groups) == 1 and len(recs) == 1 and recs[0].levelno == logging.WARNING
+    msg = recs[0].getMessage()
+    assert "6 layer(s) in 1 group(s)" in msg and "layers_per_group=1" in msg, msg
+    st, recs = _coarse_warnings(caplog, m, layers_per_group=1)
+    assert not recs and len(st.groups) == 6
+    # blocks the finder cannot see (a list of mixed types) next to a block list it does see: the
+    # largest layer holds most of the parameters; the suggestion names that list
+    big = nn.Module()
+    big.stack = nn.ModuleList([hw.Block(64), nn.Linear(64, 64), hw.Block(64)])
+    m2 = nn.Module()
+    m2.enc = nn.ModuleList(hw.Block(8) for _ in range(2))
+    m2.body = big
+    st, recs = _coarse_warnings(caplog, m2, layers_per_group=1)
+    assert [x["layers"] for x in st.groups] == [["enc.0"], ["enc.1"], ["body"]] and len(recs) == 1
+    msg = recs[0].getMessage()
+    assert "layers=[*model.body.stack]" in msg and "3 layer(s) in 3 group(s)" in msg, msg
+    assert f"'body' (Module) holds {_share(big, m2):.0%} of the parameters" in msg, msg
+    st, recs = _coarse_warnings(caplog, m2, layers_per_group=1, layers=[*m2.enc, *big.stack])
+    assert not recs and len(st.groups) == 5
+    assert not _coarse_warnings(caplog, hw.TinyLM(), layers_per_group=2)[1]
+    assert not _coarse_warnings(caplog, m, layers_per_group=None)[1]
 
 
 def test_kinds_and_frozen():
@@ -209,15 +294,15 @@ def ws1_group():
         pytest.skip("a process group already exists in this process")
     f = tempfile.NamedTemporaryFile(delete=False)
     dist.init_process_group("gloo", store=dist.FileStore(f.name, 1), rank=0, world_size=1)
-    saved = hooks._backend_for
+    saved = hooks.state._backend_for
     fakes = {}
 
     def make(exact):
-        hooks._backend_for = lambda pg: fakes.setdefault(exact, hw.FakeEFBackend(pg, exact=exact))
+        hw.use_backend(hooks, lambda pg: fakes.setdefault(exact, hw.FakeEFBackend(pg, exact=exact)))
         return lambda: fakes[exact]
 
     yield make
-    hooks._backend_for = saved
+    hw.use_backend(hooks, saved)
     dist.destroy_process_group()
     os.unlink(f.name)
 
