@@ -860,3 +860,47 @@ TEST_CASE("shm: a local rank SIGKILLed mid-op: its peers raise naming it within 
   CHECK(shmEntries(prefix).empty());
   std::system(("rm -rf '" + dir + "'").c_str());
 }
+
+TEST_CASE("shm: 50 create/destroy cycles, two domains on the same ranks at once: fds, mappings, /dev/shm flat",
+          "[shm]") {
+  auto count = [](const char* path, bool lines) {
+    size_t c = 0;
+    if (lines) {
+      std::ifstream f(path);
+      for (std::string l; std::getline(f, l);) ++c;
+    } else if (DIR* d = opendir(path)) {
+      while (readdir(d)) ++c;
+      closedir(d);
+    }
+    return c;
+  };
+  const std::string prefix = uniquePrefix("cycle");
+  auto cycle = [&](int i) {
+    MemStore store;
+    std::vector<std::unique_ptr<ShmDomain>> a(3), b(3);
+    xirang_test::runRanks(3, [&](int r) {
+      ShmOptions o;
+      o.slot_bytes = 1 << 16;
+      o.name_prefix = prefix;
+      o.key_prefix = "a" + std::to_string(i);
+      a[static_cast<size_t>(r)] = ShmDomain::create(r, {0, 1, 2}, store, o, after(milliseconds(20000)));
+      o.key_prefix = "b" + std::to_string(i);
+      b[static_cast<size_t>(r)] = ShmDomain::create(r, {0, 1, 2}, store, o, after(milliseconds(20000)));
+      Comm c;
+      c.rank = r;
+      c.ring = {0, 1, 2};
+      int32_t x[2] = {r, 10 * r}, y[2] = {1, 1};
+      xirang::shm::allreduce(c, *a[static_cast<size_t>(r)], ctxFor(tp::OpKind::Allreduce, DType::Int32, ReduceOp::Sum, 2, 1),
+                             x, 2, DType::Int32, ReduceOp::Sum);
+      xirang::shm::allreduce(c, *b[static_cast<size_t>(r)], ctxFor(tp::OpKind::Allreduce, DType::Int32, ReduceOp::Max, 2, 1),
+                             y, 2, DType::Int32, ReduceOp::Max);
+      if (x[0] != 3 || x[1] != 30 || y[0] != 1) throw std::runtime_error("wrong result in cycle " + std::to_string(i));
+    });
+  };
+  cycle(-1);  // warm-up: thread stacks and the allocator's arenas exist before counting
+  const size_t fds = count("/proc/self/fd", false), maps = count("/proc/self/maps", true);
+  for (int i = 0; i < 50; ++i) cycle(i);
+  CHECK(count("/proc/self/fd", false) == fds);
+  CHECK(count("/proc/self/maps", true) <= maps + 4);  // allocator arenas may still come and go
+  CHECK(shmEntries(prefix).empty());
+}
