@@ -165,7 +165,7 @@ void Membership::setCallback(std::function<void()> fn) {
 void Membership::run(OpCtx& ctx, const OpFn& fn, std::chrono::milliseconds timeout, const SaveFn& save,
                      const std::string& name, const std::string& what) {
   const uint64_t seq = ctx.seq;
-  auto desc = [&] { return "xirang rank " + std::to_string(rank_) + ": " + what; };
+  auto desc = [&] { return rankPrefix(rank_) + what; };
   if (signal_.load()) recover("a failure was reported before " + name + " started");
   auto voided = [&] {
     for (const auto& [done, fence] : void_ranges_)
@@ -211,7 +211,7 @@ void Membership::recoverIdle() {
   try {
     recover("rank " + std::to_string(rank_) + " was idle");
   } catch (const std::exception& e) {
-    cb_.poison("xirang rank " + std::to_string(rank_) + ": " + e.what());
+    cb_.poison(rankPrefix(rank_) + e.what());
   }
 }
 
@@ -287,7 +287,7 @@ elastic::Decision Membership::recover(const std::string& why) {
   const uint64_t epoch = epoch_.load();
   std::string reason = elastic::reportFailure(*store_, prefix_, epoch, why);
   if (reason.rfind(kFatal, 0) == 0) {  // a rank failed the group on purpose (failGroup)
-    std::string msg = "xirang rank " + std::to_string(rank_) + ": the group failed: " + reason.substr(std::strlen(kFatal));
+    std::string msg = rankPrefix(rank_) + "the group failed: " + reason.substr(std::strlen(kFatal));
     cb_.poison(msg);
     throw transport::TransportError(msg, -1);
   }
@@ -305,7 +305,7 @@ elastic::Decision Membership::recover(const std::string& why) {
   elastic::Decision d = elastic::agree(*store_, prefix_, epoch, live_, rank_, mine, watch, Clock::now() + cfg_.timeout);
   const auto t_agreed = Clock::now();
   if (std::find(d.live.begin(), d.live.end(), rank_) == d.live.end()) {
-    std::string msg = "xirang rank " + std::to_string(rank_) + ": declared dead by the survivors of epoch " +
+    std::string msg = rankPrefix(rank_) + "declared dead by the survivors of epoch " +
                       std::to_string(epoch) + " (" + text(&d) + "); this process must not take part in the group again";
     cb_.poison(msg);
     throw transport::TransportError(msg, rank_);
@@ -491,7 +491,7 @@ void Membership::heartbeatLoop() {
         cb_.wake();
       }
     } catch (const std::exception& e) {
-      std::string msg = "xirang rank " + std::to_string(rank_) + ": elastic heartbeat: the store is unreachable (" +
+      std::string msg = rankPrefix(rank_) + "elastic heartbeat: the store is unreachable (" +
                         e.what() + "); elastic mode needs a store that outlives every failed node";
       env::log(env::Level::Warn, rank_, msg);
       cb_.poison(msg);

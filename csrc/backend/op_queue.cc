@@ -5,6 +5,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "backend/tensors.h"
 #include "core/env.h"
 
 namespace xirang {
@@ -43,7 +44,7 @@ bool OpQueue::poison(const std::string& msg) {
 void OpQueue::checkPoisoned() {
   std::lock_guard<std::mutex> g(mu_);
   TORCH_CHECK(poison_.empty(), poison_);
-  TORCH_CHECK(!stop_, "xirang rank ", rank_, ": process group '", cfg_.group_name, "' was shut down");
+  XR_CHECK(rank_, !stop_, "process group '", cfg_.group_name, "' was shut down");
 }
 
 std::string OpQueue::error() {
@@ -89,7 +90,7 @@ c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpS
     op.rec_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - op.enqueued).count());
   }
   op.what = describe(op);
-  work->desc_ = "xirang rank " + std::to_string(rank_) + ": " + op.what;
+  work->desc_ = rankPrefix(rank_) + op.what;
   if (env::logLevel() >= env::Level::Trace) env::log(env::Level::Trace, rank_, "enqueue " + op.what);
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -127,7 +128,7 @@ std::exception_ptr OpQueue::run(Op& op, Phases* ph) {
     std::string what = e.what();
     // c10::Error's what() carries a C++ backtrace; keep the message.
     if (auto* ce = dynamic_cast<const c10::Error*>(&e)) what = ce->msg();
-    std::string msg = "xirang rank " + std::to_string(rank_) + ": " + op.what + " failed: " + what;
+    std::string msg = rankPrefix(rank_) + op.what + " failed: " + what;
     if (dynamic_cast<const transport::TimeoutError*>(&e)) msg += " (timeout " + std::to_string(op.timeout.count()) + " ms)";
     if (dynamic_cast<const transport::MismatchError*>(&e)) membership_.failGroup(msg);
     poison(msg);

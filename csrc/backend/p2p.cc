@@ -31,7 +31,7 @@ c10::intrusive_ptr<WorkXirang> PointToPoint::post(bool is_send, int peer, int ta
   auto work = c10::make_intrusive<WorkXirang>(rank_, type, title, std::vector<at::Tensor>{t},
                                               std::optional<std::vector<at::Tensor>>(std::vector<at::Tensor>{t}), stage);
   std::ostringstream d;
-  d << "xirang rank " << rank_ << ": " << opname << " (" << dtypeName(toDType(t.scalar_type())) << ", " << t.numel()
+  d << rankPrefix(rank_) << opname << " (" << dtypeName(toDType(t.scalar_type())) << ", " << t.numel()
     << " elements, tag " << tag << (is_send ? ", to rank " : ", from ")
     << (peer < 0 ? std::string("any rank") : (is_send ? "" : "rank ") + std::to_string(peer)) << ", group '"
     << cfg_.group_name << "')";

@@ -169,7 +169,7 @@ void ProcessGroupXirang::shutdown() {
 
 void ProcessGroupXirang::abort() {
   if (queue_) {
-    queue_->poison("xirang rank " + std::to_string(rank_) + ": process group aborted");
+    queue_->poison(rankPrefix(rank_) + "process group aborted");
     membership_->abort(queue_->error());
   }
   shutdown();
@@ -318,7 +318,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Ten
                   .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout},
                  stage, [this, t, root](OpCtx& ctx) {
                    if (!membership_->live(root))
-                     throw MembershipChanged("xirang rank " + std::to_string(rank_) + ": broadcast: root rank " +
+                     throw MembershipChanged(rankPrefix(rank_) + "broadcast: root rank " +
                                              std::to_string(root) + " is not live (" + membership_->text() + ")");
                    host::broadcast(comm(), ctx, t, root);
                  });

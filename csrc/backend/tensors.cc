@@ -4,6 +4,8 @@
 
 namespace xirang {
 
+std::string rankPrefix(int rank) { return "xirang rank " + std::to_string(rank) + ": "; }
+
 DType toDType(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return DType::Float32;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -17,6 +18,9 @@
 #define XR_CHECK(rank, cond, ...) TORCH_CHECK(cond, "xirang rank ", rank, ": ", __VA_ARGS__)
 
 namespace xirang {
+
+// The same prefix for a message built as a string: "xirang rank <rank>: ".
+std::string rankPrefix(int rank);
 
 DType toDType(at::ScalarType t);  // DType::Bytes for a dtype the core does not reduce
 // Throws c10::Error for an op c10d adds later.

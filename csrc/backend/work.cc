@@ -3,6 +3,8 @@
 #include <atomic>
 #include <mutex>
 
+#include "backend/tensors.h"
+
 namespace xirang {
 
 WorkXirang::WorkXirang(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
@@ -69,19 +71,19 @@ void WorkXirang::complete(std::exception_ptr error) {
 }
 
 void Coalescing::start(int rank) {
-  TORCH_CHECK(!open_, "xirang rank ", rank, ": startCoalescing called twice");
+  XR_CHECK(rank, !open_, "startCoalescing called twice");
   open_ = true;
   works_.clear();
 }
 
 c10::intrusive_ptr<WorkXirang> Coalescing::end(int rank, const std::string& group_name) {
-  TORCH_CHECK(open_, "xirang rank ", rank, ": endCoalescing without startCoalescing");
+  XR_CHECK(rank, open_, "endCoalescing without startCoalescing");
   open_ = false;
   auto works = std::move(works_);
   works_.clear();
   auto batch = c10::make_intrusive<WorkXirang>(rank, c10d::OpType::COALESCED, "xirang:coalesced",
                                                std::vector<at::Tensor>{}, std::nullopt, hostStage());
-  batch->desc_ = "xirang rank " + std::to_string(rank) + ": coalesced batch of " + std::to_string(works.size()) +
+  batch->desc_ = rankPrefix(rank) + "coalesced batch of " + std::to_string(works.size()) +
                  " operations (group '" + group_name + "')";
   if (works.empty()) {
     batch->complete(nullptr);
