@@ -70,6 +70,7 @@ def core_sources():
 
 # The torch-facing sources (backend/process_group_xirang.h names what each file holds).
 BACKEND_SOURCES = [
+    "csrc/backend/config.cc",
     "csrc/backend/device_engine.cc",
     "csrc/backend/elastic.cc",
     "csrc/backend/host_engine.cc",
@@ -150,7 +151,8 @@ else:
 setup(
     version=version,
     package_dir={"": "python"},
-    packages=["xirang"],
+    packages=["xirang", "xirang.hooks", "xirang.report", "xirang.sim"],
+    package_data={"xirang.report": ["dashboard.css", "dashboard.js"]},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "core/collectives.h"
+
 namespace xirang {
 
 struct XirangConfig {
@@ -26,5 +28,11 @@ struct XirangConfig {
   // generation::keyNamespace(generation). Empty: the constructor runs the handshake itself.
   std::string generation;
 };
+
+// The algorithms' configuration from the knobs (XIRANG_SEGMENT_BYTES, XIRANG_SMALL_BYTES,
+// XIRANG_ALGO unless cfg.algorithm chooses) and the labels: ring order and the two-level plan
+// (the link is the caller's to set). `algo`: the algorithm's name, for the log. Throws c10::Error
+// for a bad knob value or a ring order of the wrong size.
+Comm configure(int rank, int size, const XirangConfig& cfg, std::string& algo);
 
 }  // namespace xirang

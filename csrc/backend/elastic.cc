@@ -43,7 +43,7 @@ Membership::Membership(int rank, int size, const XirangConfig& cfg, std::shared_
   } catch (const std::exception& e) {
     XR_CHECK(rank_, false, "creating group '", cfg_.group_name, "' failed: ", e.what());
   }
-  comm_.tcp = tcp_.get();
+  comm_.link = tcp_.get();
   comm_.rank = rank_;
   for (int r = 0; r < size_; ++r) live_.push_back(r);
   info_.live = live_;
@@ -251,7 +251,7 @@ void Membership::installEpoch(const elastic::Decision& d, const transport::Key12
     std::lock_guard<std::mutex> g(mu_);
     old = std::move(tcp_);
     tcp_ = std::move(fresh);
-    comm_.tcp = tcp_.get();
+    comm_.link = tcp_.get();
     comm_.ring = ring;
     comm_.local_group.clear();  // the two-level plan assumed the old hosts: the ring from now on
     comm_.cross_group.clear();

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "backend/tensors.h"
+#include "core/planner.h"
 #include "core/reduce.h"
 
 namespace xirang::host {
@@ -36,41 +37,10 @@ at::Tensor contiguousOut(const at::Tensor& o) {
   return o.is_contiguous() ? o : at::empty_like(o, at::MemoryFormat::Contiguous);
 }
 
-// The op an algorithm runs for `op`: AVG and PREMUL_SUM are a scaling and a sum.
-ReduceOp sumOf(ReduceOp op) { return (op == ReduceOp::Avg || op == ReduceOp::PremulSum) ? ReduceOp::Sum : op; }
-
-// AVG and PREMUL_SUM are a scaling of every input and a sum: AVG divides by n before summing
-// (like the compressed ring), so n values near the dtype's max average to a finite number
-// instead of overflowing. Returns the op the algorithm runs.
-ReduceOp preScale(at::Tensor& buf, DType wire, ReduceOp op, double premul, int n) {
-  if (op == ReduceOp::PremulSum) scale(buf.data_ptr(), buf.numel(), wire, premul);
-  if (op == ReduceOp::Avg) scale(buf.data_ptr(), buf.numel(), wire, 1.0 / n);
-  return sumOf(op);
-}
-
 }  // namespace
 
 void reduceAll(const Comm& comm, const OpCtx& ctx, at::Tensor& buf, ReduceOp op, double premul) {
-  const DType wire = toDType(buf.scalar_type());
-  if (wire == DType::Float16 || wire == DType::BFloat16) {
-    // Rounded once either way. A forced ring / two-level algorithm, or a two-level plan (hosts
-    // matter), keeps the topology: fp32 partial sums on that algorithm (2x the bytes of 16-bit).
-    // Otherwise 16 bits on the wire with fp32 accumulation at each chunk's owner (allreduce16).
-    const bool keep_topology = comm.algo == Comm::Algo::Ring || comm.algo == Comm::Algo::TwoLevel ||
-                               !comm.local_group.empty();
-    if (keep_topology) {
-      at::Tensor wide = buf.to(at::kFloat);
-      reduceAll(comm, ctx, wide, op, premul);
-      buf.copy_(wide);
-      return;
-    }
-    const float post = op == ReduceOp::Avg ? 1.0f / static_cast<float>(comm.size()) : 1.0f;
-    allreduce16(comm, ctx, static_cast<uint16_t*>(buf.data_ptr()), buf.numel(), wire, sumOf(op),
-                static_cast<float>(premul), post);
-    return;
-  }
-  const ReduceOp wop = preScale(buf, wire, op, premul, comm.size());
-  xirang::allreduce(comm, ctx, buf.data_ptr(), buf.numel(), wire, wop);
+  allreduceOp(comm, ctx, buf.data_ptr(), buf.numel(), toDType(buf.scalar_type()), op, premul);  // core/planner.h
 }
 
 void allreduce(const Comm& comm, const OpCtx& ctx, const at::Tensor& t, ReduceOp op, double premul) {
@@ -295,11 +265,12 @@ void reduceScatterBase(const Comm& comm, const OpCtx& ctx, const at::Tensor& out
   at::Tensor buf = is16BitFloat(input.scalar_type()) ? input.to(at::kFloat).reshape(-1)
                                                      : input.reshape(-1).clone(at::MemoryFormat::Contiguous);
   const DType wire = toDType(buf.scalar_type());
-  const ReduceOp wop = preScale(buf, wire, op, premul, size);
+  const Scaling sc = scalingFor(op, premul, size);  // AVG divides before the sum: no overflow
+  if (sc.factor != 1.0) scale(buf.data_ptr(), buf.numel(), wire, sc.factor);
   const uint64_t b = static_cast<uint64_t>(output.numel()) * buf.element_size();
   std::vector<RecvSeg> blocks;
   for (int r = 0; r < size; ++r) blocks.push_back(RecvSeg{static_cast<uint8_t*>(buf.data_ptr()) + b * r, b});
-  xirang::reduceScatter(comm, ctx, blocks, wire, wop);
+  xirang::reduceScatter(comm, ctx, blocks, wire, sc.wire_op);
   at::Tensor mine = buf.narrow(0, output.numel() * comm.rank, output.numel());
   output.copy_(mine.view(output.sizes()));
 }

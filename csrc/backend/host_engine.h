@@ -18,8 +18,8 @@
 namespace xirang::host {
 
 // The reduce `op` of the user's dtype on an fp32-or-native buffer, with AVG / PREMUL_SUM
-// scaling: the one place that chooses how a reduction runs (widening 16-bit floats vs
-// allreduce16, scaling before the sum).
+// scaling: core/planner.h's allreduceOp, which chooses how a reduction runs (widening 16-bit
+// floats vs allreduce16, scaling before the sum).
 void reduceAll(const Comm& comm, const OpCtx& ctx, at::Tensor& buf, ReduceOp op, double premul);
 
 void allreduce(const Comm& comm, const OpCtx& ctx, const at::Tensor& t, ReduceOp op, double premul);

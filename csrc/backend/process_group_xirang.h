@@ -10,6 +10,7 @@
 //   work.h           the Work of an op and of a coalesced batch
 //   records.h        operation records and their JSON lines
 //   tensors.h        dtype / reduce-op mapping and input checks
+//   config.h         what the group is created with, and the algorithms' configuration from it
 #pragma once
 
 #include <chrono>

@@ -4,6 +4,7 @@
 #include <mutex>
 
 #include "backend/tensors.h"
+#include "core/env.h"
 
 namespace xirang {
 
@@ -62,11 +63,16 @@ void WorkXirang::synchronize() { stage_->block(); }
 
 bool WorkXirang::isCompleted() { return c10d::Work::isCompleted() && stage_->query(); }
 
-// The Future first, as ProcessGroupGloo does: a caller woken from wait() reads the Future's
-// value at once (DDP's sparse buckets do), so it must hold it by then.
+// The Future first, then the Work (as gloo's finishWorkGloo): a caller woken by Work.wait() reads
+// get_future().value() at once (DDP's sparse buckets do), so the Future must be done by then.
+// A callback that throws (torch's own wrappers catch) must not leave the Work unfinished.
 void WorkXirang::complete(std::exception_ptr error) {
-  if (error) future_->setError(error);
-  else stage_->completeFuture(future_, c10::IValue(outputs_));
+  try {
+    if (error) future_->setError(error);
+    else stage_->completeFuture(future_, c10::IValue(outputs_));  // a CUDA stage: its side stream current
+  } catch (const std::exception& e) {
+    env::log(env::Level::Warn, rank_, desc_ + ": a Future callback raised: " + e.what());
+  }
   finish(error);
 }
 

@@ -1,5 +1,7 @@
-// BF16 codec with error feedback: the arithmetic of the compressed ring (DESIGN.md,
-// "The compressed ring"). Torch-free, plain C++20.
+// BF16 codec with error feedback: the arithmetic of the compressed ring (collectives.h:
+// allreduceBF16EF): every rounding to bf16 keeps its error as a residual that is fed back into
+// the next step, so sum_t y_t + sum_i r_i = sum_t sum_i x_(i,t) / N up to fp32 rounding.
+// Torch-free, plain C++20.
 //
 // Data types: fp32 values are IEEE-754 binary32 (`float`); bf16 values are carried as their raw
 // 16 bits (`uint16_t`), i.e. the upper half of a binary32 with the same sign/exponent layout.

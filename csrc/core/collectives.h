@@ -1,7 +1,10 @@
 // The collective algorithms on raw buffers: ring allreduce (scatter-reduce + allgather,
 // Patarasuk & Yuan 2009), the latency-optimal direct exchange for small messages, the BF16
-// error-feedback ring (DESIGN.md "The compressed ring"), pipelined chain broadcast, ring
-// allgather / reduce-scatter, and direct alltoall / gather / scatter.
+// error-feedback ring (codec.h: every hop's rounding error fed back), pipelined chain broadcast,
+// ring allgather / reduce-scatter, and direct alltoall / gather / scatter. Implemented in
+// core/algorithms/ over one ring scatter-reduce loop and one ring allgather loop (loops.h), a
+// transport::Link and an algo::Reducer; which algorithm an allreduce takes, and its AVG /
+// PREMUL_SUM scaling, is core/planner.h's.
 //
 // Torch-free: the backend hands pointers, element counts (int64, so > 2^31 works) and dtypes.
 // Every function is collective over `comm.ring` and is called by every member with the same
@@ -14,26 +17,31 @@
 #include <memory>
 #include <vector>
 
+#include "core/algorithms/reducer.h"
 #include "core/dtype.h"
-#include "core/transport/tcp.h"
+#include "core/transport/transport.h"
 
 namespace xirang {
 
-// Reusable, uninitialised working memory for the algorithms. Large per-op allocations went to
-// mmap/munmap on every call (glibc's threshold) and cost page faults comparable to the transfer.
+// Reusable, uninitialised working memory for the algorithms, in the reducer's memory. Large
+// per-op allocations went to mmap/munmap on every call (glibc's threshold) and cost page faults
+// comparable to the transfer.
 class Scratch {
  public:
-  // At least `bytes` bytes for `slot` (0..3), kept until a larger request for the same slot.
-  uint8_t* get(size_t slot, size_t bytes);
+  // At least `bytes` bytes for `slot` (0..3) from `reducer`, kept until a larger request for the
+  // same slot.
+  uint8_t* get(size_t slot, size_t bytes, algo::Reducer& reducer = algo::hostReducer());
 
  private:
-  std::unique_ptr<uint8_t[]> bufs_[4];
+  using Buf = std::unique_ptr<uint8_t[], void (*)(uint8_t*)>;
+  Buf bufs_[4] = {Buf(nullptr, nullptr), Buf(nullptr, nullptr), Buf(nullptr, nullptr), Buf(nullptr, nullptr)};
   size_t caps_[4] = {0, 0, 0, 0};
 };
 
 // Who takes part and how: membership is data (#8 rebuilds it without a failed rank).
 struct Comm {
-  transport::Tcp* tcp = nullptr;
+  transport::Link* link = nullptr;
+  algo::Reducer* reducer = &algo::hostReducer();  // works on the memory link moves
   int rank = 0;                // this process's rank in the group
   std::vector<int> ring;       // ring order: ranks by position; every member appears once
   int64_t segment_bytes = 1 << 20;
@@ -49,6 +57,7 @@ struct Comm {
   std::vector<int> cross_group;  // ranks with this rank's local index on every host
 
   std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();  // one op at a time uses it
+  uint8_t* scratchBytes(size_t slot, size_t bytes) const { return scratch->get(slot, bytes, *reducer); }
 
   int size() const { return static_cast<int>(ring.size()); }
   int position() const;        // index of `rank` in `ring`; throws if absent
@@ -79,16 +88,22 @@ struct OpCtx {
   Phases* phases = nullptr;        // optional
 };
 
-// Runs one transport exchange under ctx's deadline, adding per-peer times and bytes to
-// ctx.phases when given. Every algorithm (and the backend's point-to-point) goes through it.
+// Runs one exchange of comm.link under ctx's deadline, adding per-peer times and bytes to
+// ctx.phases when given. Every algorithm goes through it.
 void runExchange(const Comm& comm, const OpCtx& ctx, std::vector<transport::SendJob>& sends,
                  std::vector<transport::RecvJob>& recvs);
 
-// In-place allreduce of `numel` elements of `wire` dtype at `data`. `op` is Sum, Product, Min,
-// Max, BAnd, BOr or BXor (AVG/PREMUL_SUM are the backend's scaling around Sum). Small messages
-// (<= comm.small_bytes) take the direct exchange (one round, every rank reduces all inputs in
-// rank order); larger ones the segmented ring. Results are bitwise identical on all ranks.
+// In-place allreduce of `numel` elements of `wire` dtype at `data` (not 16-bit floats: see
+// planner.h's allreduceOp, which also does AVG / PREMUL_SUM). `op` is Sum, Product, Min, Max,
+// BAnd, BOr or BXor. Small messages (<= comm.small_bytes) take the direct exchange (one round,
+// every rank reduces all inputs in rank order); larger ones the two-level plan where one exists,
+// else the segmented ring. Results are bitwise identical on all ranks.
 void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);
+
+// The two algorithms allreduce() picks from above the small-message size, callable directly.
+void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);
+void twoLevelAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);
+void directAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);
 
 // Allreduce of a 16-bit float buffer (t = Float16 or BFloat16) that rounds once: each rank sends
 // chunk c straight to its owner ring[c], the owner combines all N contributions in fp32 in rank
@@ -100,9 +115,10 @@ void allreduce16(const Comm& comm, const OpCtx& ctx, uint16_t* data, int64_t num
                  float pre_scale, float post_scale);
 
 // BF16 error-feedback ring allreduce of fp32 `x` (n elements), averaged (scale = 1/N applied
-// before the first encode). Reads residual `r_in`, writes the new residual to `r_out` (may not
-// alias r_in's storage owner's pending use; may alias r_in). On return x holds the decoded bf16
-// average, bitwise identical on all ranks. Wire bytes per rank: 2 * 2(N-1)/N * n.
+// before the first encode). Reads residual `r_in`, writes the new residual to `r_out` (r_out may
+// alias r_in; the backend passes a separate buffer so that a step whose outputs are not finite
+// leaves the residual untouched). On return x holds the decoded bf16 average, bitwise identical
+// on all ranks. Wire bytes per rank: 2 * 2(N-1)/N * n.
 void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n);
 
 // Broadcast `bytes` at `data` from group rank `root` along the ring (pipelined chain of segments).

@@ -24,7 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "core/transport/tcp.h"
+#include "core/store.h"
+#include "core/transport/errors.h"
 
 namespace xirang::elastic {
 

@@ -1,6 +1,7 @@
 // Elementwise reductions on raw buffers, the arithmetic inside every reducing collective.
-// 16-bit floats are never reduced here: the backend widens them to float32 first so a
-// reduction over N ranks is rounded once (see ProcessGroupXirang::allreduce).
+// 16-bit floats are not reduced here: a reduction over N ranks must round them once, so the
+// planner (planner.h) either widens them to float32 for the whole reduction or has each chunk's
+// owner accumulate the N contributions in float32 (algorithms/reducer.h: combine16).
 #pragma once
 
 #include <cstdint>

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/collectives.h"
+#include "core/transport/inproc.h"
 #include "core/transport/tcp.h"
 
 namespace xirang_test {
@@ -106,6 +107,34 @@ inline void runRanks(int n, const std::function<void(int)>& fn) {
   if (first) std::rethrow_exception(first);
 }
 
+// A Comm of `rank` over `link` (ring: 0..size-1 unless given).
+inline xirang::Comm commOver(tp::Link* link, int rank, int size, std::vector<int> ring) {
+  xirang::Comm c;
+  c.link = link;
+  c.rank = rank;
+  if (ring.empty())
+    for (int r = 0; r < size; ++r) ring.push_back(r);
+  c.ring = std::move(ring);
+  return c;
+}
+
+// Runs fn(rank) on one thread per rank. A rank whose fn throws aborts its own link (as the
+// backend does), so peers blocked on it fail fast instead of waiting for their deadline; the
+// first failure is rethrown.
+inline void runAborting(int n, const std::function<tp::Link&(int)>& link, const std::function<void(int)>& fn) {
+  runRanks(n, [&](int r) {
+    try {
+      fn(r);
+    } catch (const std::exception& e) {
+      link(r).abort(std::string("test rank failed: ") + e.what());
+      throw;
+    } catch (...) {
+      link(r).abort("test rank failed");
+      throw;
+    }
+  });
+}
+
 // n transports sharing one in-memory store. Construction is sequential (rank 0 publishes the
 // group secret before the others read it), so it never blocks.
 struct Group {
@@ -119,31 +148,23 @@ struct Group {
   int size() const { return static_cast<int>(tcp.size()); }
 
   xirang::Comm comm(int rank, std::vector<int> ring = {}) const {
-    xirang::Comm c;
-    c.tcp = tcp[static_cast<size_t>(rank)].get();
-    c.rank = rank;
-    if (ring.empty())
-      for (int r = 0; r < size(); ++r) ring.push_back(r);
-    c.ring = std::move(ring);
-    return c;
+    return commOver(tcp[static_cast<size_t>(rank)].get(), rank, size(), std::move(ring));
   }
-
-  // Runs fn(rank) on one thread per rank. A rank whose fn throws aborts its own transport (as
-  // the backend does), so peers blocked on it fail fast instead of waiting for their deadline;
-  // the first failure is rethrown.
   void run(const std::function<void(int)>& fn) {
-    runRanks(size(), [&](int r) {
-      try {
-        fn(r);
-      } catch (const std::exception& e) {
-        tcp[static_cast<size_t>(r)]->abort(std::string("test rank failed: ") + e.what());
-        throw;
-      } catch (...) {
-        tcp[static_cast<size_t>(r)]->abort("test rank failed");
-        throw;
-      }
-    });
+    runAborting(size(), [&](int r) -> tp::Link& { return *tcp[static_cast<size_t>(r)]; }, fn);
   }
+};
+
+// n ranks as threads over the in-process link (core/transport/inproc.h): no sockets, so rings of
+// 1..16 ranks run in one test process.
+struct InprocGroup {
+  explicit InprocGroup(int n) : hub(n) {}
+  int size() const { return hub.size(); }
+  xirang::Comm comm(int rank, std::vector<int> ring = {}) { return commOver(&hub.link(rank), rank, size(), std::move(ring)); }
+  void run(const std::function<void(int)>& fn) {
+    runAborting(size(), [&](int r) -> tp::Link& { return hub.link(r); }, fn);
+  }
+  tp::InprocHub hub;
 };
 
 // Posts one point-to-point operation to t.p2p(); the future yields the source rank (the peer for

@@ -175,7 +175,7 @@ TEST_CASE("generation: a restarted group's transport ignores the aborted attempt
       opts.key_prefix = gen::keyNamespace(gs[static_cast<size_t>(r)]);
       tcp[static_cast<size_t>(r)] = std::make_unique<tp::Tcp>(r, n, store, opts, after(milliseconds(10000)));
       xirang::Comm c;
-      c.tcp = tcp[static_cast<size_t>(r)].get();
+      c.link = tcp[static_cast<size_t>(r)].get();
       c.rank = r;
       c.ring = {0, 1, 2};
       xirang::OpCtx ctx;

@@ -25,7 +25,7 @@ out=build/fuzz
 mkdir -p "$out/corpus"
 cp -n tests/fuzz/corpus/* "$out/corpus/" 2>/dev/null || true
 srcs=(csrc/core/env.cc csrc/core/reduce.cc csrc/core/codec.cc csrc/core/transport/frame.cc csrc/core/transport/auth.cc csrc/core/transport/socket.cc
-      csrc/core/transport/acceptor.cc csrc/core/transport/p2p.cc csrc/core/transport/tcp.cc)
+      csrc/core/transport/acceptor.cc csrc/core/transport/p2p.cc csrc/core/transport/tcp.cc csrc/core/transport/tcp_exchange.cc)
 "$cxx" -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
     -I csrc -I tests/cpp tests/fuzz/fuzz_wire.cc "${srcs[@]}" -lpthread -o "$out/fuzz_wire"
 echo "fuzz: running $out/fuzz_wire for $secs s" >&2

@@ -17,7 +17,7 @@ constexpr uint16_t kWireVersion = 2;  // 2: handshake MACs bind the channel and 
 constexpr size_t kHeaderBytes = 48;
 constexpr uint64_t kMaxAbortMessage = 4096;
 
-enum class FrameKind : uint8_t { Data = 1, Abort = 2, P2P = 3 };
+enum class FrameKind : uint8_t { Data = 1, Abort = 2 };
 
 // Operation kinds, matching c10d's collectives; carried so that ranks issuing different
 // collectives at the same sequence number fail instead of exchanging bytes.

@@ -283,10 +283,7 @@ void P2P::onHeader(int peer) {
     return;
   }
   if (h.kind == FrameKind::Abort) {
-    std::string msg(static_cast<size_t>(std::min<uint64_t>(h.payload_bytes, kMaxAbortMessage)), '\0');
-    std::string why;
-    ioExact(in.fd, msg.data(), msg.size(), false, Clock::now() + std::chrono::milliseconds(200), &why);
-    failAll(who(peer) + " aborted: " + msg);
+    failAll(who(peer) + " aborted: " + readAbortMessage(in.fd, h.payload_bytes));
     return;
   }
   if (h.kind != FrameKind::Data || h.op != OpKind::Send) {
@@ -529,10 +526,7 @@ bool P2P::pumpBack(int peer) {
       if (o.back_off < kHeaderBytes) continue;
       FrameHeader h = decodeHeader(o.back);
       if (h.magic == kMagic && h.kind == FrameKind::Abort) {
-        std::string msg(static_cast<size_t>(std::min<uint64_t>(h.payload_bytes, kMaxAbortMessage)), '\0');
-        std::string why;
-        ioExact(o.fd, msg.data(), msg.size(), false, Clock::now() + std::chrono::milliseconds(200), &why);
-        failAll(who(peer) + " aborted: " + msg);
+        failAll(who(peer) + " aborted: " + readAbortMessage(o.fd, h.payload_bytes));
         return false;
       }
       const std::string why = "unexpected data from " + who(peer) + " on a send-only connection";
@@ -557,23 +551,7 @@ void P2P::pumpOut(int peer) {
       o.pay_off = 0;
       o.started = true;
     }
-    ssize_t w;
-    if (o.hdr_off < kHeaderBytes) {
-      iovec iov[2] = {{o.hdr + o.hdr_off, kHeaderBytes - o.hdr_off},
-                      {const_cast<uint8_t*>(s.data), static_cast<size_t>(s.bytes)}};
-      msghdr m{};
-      m.msg_iov = iov;
-      m.msg_iovlen = s.bytes ? 2 : 1;
-      w = ::sendmsg(o.fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (w > 0) {
-        const size_t hw = std::min<size_t>(static_cast<size_t>(w), kHeaderBytes - o.hdr_off);
-        o.hdr_off += hw;
-        o.pay_off += static_cast<uint64_t>(w) - hw;
-      }
-    } else {
-      w = ::send(o.fd, s.data + o.pay_off, static_cast<size_t>(s.bytes - o.pay_off), MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (w > 0) o.pay_off += static_cast<uint64_t>(w);
-    }
+    const ssize_t w = writeFrame(o.fd, o.hdr, &o.hdr_off, s.data, s.bytes, &o.pay_off);
     if (w < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
       const std::string why = "send to " + who(peer) + " failed: " + errnoStr(errno);

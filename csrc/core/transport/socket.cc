@@ -15,6 +15,8 @@
 #include <cstring>
 #include <thread>
 
+#include "core/transport/frame.h"
+
 namespace xirang::transport {
 
 std::string errnoStr(int e) { return std::strerror(e); }
@@ -63,6 +65,34 @@ bool ioExact(int fd, void* buf, size_t n, bool write, Deadline deadline, std::st
     }
   }
   return true;
+}
+
+ssize_t writeFrame(int fd, const uint8_t* hdr, size_t* hdr_off, const uint8_t* data, uint64_t bytes, uint64_t* pay_off) {
+  ssize_t w;
+  if (*hdr_off < kHeaderBytes) {
+    iovec iov[2] = {{const_cast<uint8_t*>(hdr) + *hdr_off, kHeaderBytes - *hdr_off},
+                    {const_cast<uint8_t*>(data), static_cast<size_t>(bytes)}};
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = bytes ? 2 : 1;
+    w = ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      const size_t hw = std::min<size_t>(static_cast<size_t>(w), kHeaderBytes - *hdr_off);
+      *hdr_off += hw;
+      *pay_off += static_cast<uint64_t>(w) - hw;
+    }
+  } else {
+    w = ::send(fd, data + *pay_off, static_cast<size_t>(bytes - *pay_off), MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) *pay_off += static_cast<uint64_t>(w);
+  }
+  return w;
+}
+
+std::string readAbortMessage(int fd, uint64_t payload_bytes) {
+  std::string msg(static_cast<size_t>(std::min<uint64_t>(payload_bytes, kMaxAbortMessage)), '\0');
+  std::string why;
+  if (!ioExact(fd, msg.data(), msg.size(), false, Clock::now() + std::chrono::milliseconds(200), &why)) msg.clear();
+  return msg;
 }
 
 namespace {

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <chrono>
+#include <sys/types.h>
+
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -24,6 +27,16 @@ void tuneSocket(int fd);
 // Reads (write=false) or writes exactly n bytes on a non-blocking fd before `deadline`.
 // Returns false with *why set ("connection closed", errno's text, "timed out") on failure.
 bool ioExact(int fd, void* buf, size_t n, bool write, Deadline deadline, std::string* why);
+
+// Writes what the socket takes now (non-blocking) of one frame: the rest of its kHeaderBytes
+// header `hdr` from *hdr_off, then of its payload from *pay_off (header and payload in one
+// sendmsg while header bytes remain). Returns the system call's result (bytes written, or -1
+// with errno: EAGAIN when the socket is full) and advances the offsets.
+ssize_t writeFrame(int fd, const uint8_t* hdr, size_t* hdr_off, const uint8_t* data, uint64_t bytes, uint64_t* pay_off);
+
+// The message of an abort frame whose header (`payload_bytes` long message) has been read:
+// at most kMaxAbortMessage bytes, read within 200 ms ("" if they do not come).
+std::string readAbortMessage(int fd, uint64_t payload_bytes);
 
 // Resolves the address to listen on: XIRANG_SOCKET_IFNAME's first IPv4 (else IPv6) address,
 // else every getaddrinfo result of the hostname in turn (the first that binds), else loopback.

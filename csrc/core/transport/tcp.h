@@ -40,46 +40,9 @@
 #include "core/transport/frame.h"
 #include "core/transport/p2p.h"
 #include "core/transport/socket.h"
+#include "core/transport/transport.h"
 
 namespace xirang::transport {
-
-// One frame's payload: a contiguous byte range.
-struct SendSeg {
-  const void* data;
-  uint64_t bytes;
-};
-struct RecvSeg {
-  void* data;
-  uint64_t bytes;
-};
-
-// All segments to one peer, sent in order; each segment is one frame whose header is `header`
-// with payload_bytes = segment bytes. An empty list still sends one empty frame, so a peer that
-// disagrees about the sizes learns it at once.
-struct SendJob {
-  int peer;
-  FrameHeader header;
-  std::vector<SendSeg> segs;
-};
-// All segments from one peer, received in order into the given buffers; each received header
-// must equal `expect` (payload_bytes = segment bytes). `on_segment(i)` runs on the exchanging
-// thread as soon as segment i is in memory (e.g. to reduce it while later ones are in flight),
-// and returns before any byte of segment i+1 is read: segments may share one buffer.
-struct RecvJob {
-  int peer;
-  FrameHeader expect;
-  std::vector<RecvSeg> segs;
-  std::function<void(size_t)> on_segment;
-};
-
-// Per peer and direction, what one exchange() did: seconds from its start until that peer's
-// last frame was fully sent / received, and the payload bytes moved.
-struct PeerTiming {
-  int peer;
-  bool send;  // true: our sends to peer; false: our receives from peer
-  double seconds;
-  uint64_t bytes;
-};
 
 struct TcpOptions {
   std::string ifname;                                  // XIRANG_SOCKET_IFNAME
@@ -97,7 +60,7 @@ struct TcpOptions {
   P2P::Limits p2p_limits;
 };
 
-class Tcp : public P2PLinks {
+class Tcp : public Link, public P2PLinks {
  public:
   // Creates the listener on the chosen interface, publishes "<prefix>/addr/<rank>" and (rank 0)
   // the group id and, without opts.key, the group secret to the store. With size == 1 no socket
@@ -107,8 +70,8 @@ class Tcp : public P2PLinks {
   Tcp(const Tcp&) = delete;
   Tcp& operator=(const Tcp&) = delete;
 
-  int rank() const { return rank_; }
-  int size() const { return size_; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
   const Key128& key() const { return key_; }
   uint64_t groupId() const { return group_id_; }
   // "ip:port" this rank listens on ("" for size 1).
@@ -120,7 +83,7 @@ class Tcp : public P2PLinks {
   // throw the connections involved are unusable: the caller is expected to abort().
   // If `timings` is given, one PeerTiming per peer and direction is appended to it.
   void exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline,
-                std::vector<PeerTiming>* timings = nullptr);
+                std::vector<PeerTiming>* timings = nullptr) override;
 
   // Makes sure the collective connection to `peer` exists (connecting if needed) and that
   // `peer`'s connection to us has been accepted; bounded by `deadline`.
@@ -138,7 +101,7 @@ class Tcp : public P2PLinks {
   // Best effort: sends an Abort frame carrying `why` on every open connection (both
   // directions, every channel) and records it in the store, then closes every socket.
   // Idempotent; never throws.
-  void abort(const std::string& why);
+  void abort(const std::string& why) override;
   // Records in the store that this rank leaves the group cleanly (destroy_process_group), so a
   // peer waiting for our connection fails now instead of at its timeout. Never throws.
   void leave();
@@ -149,10 +112,10 @@ class Tcp : public P2PLinks {
   // connect or point-to-point operation fails with TransportError at once and peers see the
   // connections end. The owner still calls close(). Elastic mode uses it when the membership
   // changes.
-  void interrupt(const std::string& why);
+  void interrupt(const std::string& why) override;
 
   // Payload bytes sent since creation (headers excluded), collectives and point-to-point.
-  uint64_t payloadBytesSent() const { return payload_sent_.load(); }
+  uint64_t payloadBytesSent() const override { return payload_sent_.load(); }
   // Connections rejected by the listener so far (strangers, failed handshakes, duplicates).
   uint64_t rejectedConnections() const { return acceptor_ ? acceptor_->rejected() : 0; }
   size_t pendingHandshakes() const { return acceptor_ ? acceptor_->pending() : 0; }
@@ -162,6 +125,8 @@ class Tcp : public P2PLinks {
   void countSent(uint64_t bytes) override { payload_sent_ += bytes; }
 
  private:
+  class Exchange;  // one exchange()'s pump (tcp_exchange.cc)
+  friend class Exchange;
   int outgoing(int peer, Deadline deadline);  // collective fd we send on
   int incoming(int peer, Deadline deadline);  // collective fd we receive on
   int tryIncoming(int peer);                  // the same, or -1 if not connected yet

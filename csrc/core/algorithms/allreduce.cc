@@ -1,0 +1,255 @@
+// The allreduce algorithms: direct exchange (small messages), the ring (scatter-reduce +
+// allgather, Patarasuk & Yuan 2009), two-level (hierarchical), the 16-bit direct reduce-scatter
+// that rounds once, and the BF16 error-feedback ring. Ring steps come from loops.h, the data
+// work from the reducer.
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+
+#include "core/algorithms/loops.h"
+#include "core/collectives.h"
+#include "core/ring.h"
+
+namespace xirang {
+
+using namespace algo;  // NOLINT: the pieces (loops.h) every algorithm here is made of
+
+namespace {
+
+// Rank order of the members (position k holds the k-th smallest rank): every rank reduces the
+// contributions in this order, so every rank gets the same bits.
+std::vector<int> rankOrder(const Comm& comm) {
+  std::vector<int> order = comm.ring;
+  std::sort(order.begin(), order.end());
+  return order;
+}
+size_t indexIn(const std::vector<int>& order, int r) {
+  return static_cast<size_t>(std::lower_bound(order.begin(), order.end(), r) - order.begin());
+}
+
+// Byte range of ring chunk c of a contiguous buffer of `numel` elements of `elem` bytes.
+algo::ChunkFn partitionChunks(uint8_t* base, const std::vector<ring::Range>& chunks, size_t elem) {
+  return [base, &chunks, elem](int c) {
+    const auto& r = chunks[static_cast<size_t>(c)];
+    return RecvSeg{base + r.offset * elem, static_cast<uint64_t>(r.count) * elem};
+  };
+}
+}  // namespace
+
+uint8_t* Scratch::get(size_t slot, size_t bytes, algo::Reducer& reducer) {
+  if (slot >= 4) throw std::logic_error("xirang: scratch slot out of range");
+  if (bytes > caps_[slot] || !bufs_[slot]) {
+    bufs_[slot] = reducer.allocate(std::max<size_t>(bytes, 1));
+    caps_[slot] = bytes;
+  }
+  return bufs_[slot].get();
+}
+
+int Comm::position() const {
+  auto it = std::find(ring.begin(), ring.end(), rank);
+  if (it == ring.end()) throw std::logic_error("xirang: rank " + std::to_string(rank) + " is not in the ring");
+  return static_cast<int>(it - ring.begin());
+}
+
+void runExchange(const Comm& comm, const OpCtx& ctx, std::vector<SendJob>& sends, std::vector<RecvJob>& recvs) {
+  if (!ctx.phases) {
+    comm.link->exchange(sends, recvs, ctx.deadline);
+    return;
+  }
+  std::vector<transport::PeerTiming> timings;
+  comm.link->exchange(sends, recvs, ctx.deadline, &timings);
+  for (const auto& t : timings) {
+    PeerStat& p = ctx.phases->peers[t.peer];
+    if (t.send) {
+      p.send_s += t.seconds;
+      p.bytes_sent += t.bytes;
+      ctx.phases->bytes_sent += t.bytes;
+    } else {
+      p.recv_s += t.seconds;
+      p.bytes_recv += t.bytes;
+    }
+  }
+}
+
+void directAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
+  const uint64_t bytes = static_cast<uint64_t>(numel) * elementSize(wire);
+  const auto order = rankOrder(comm);
+  uint8_t* all = comm.scratchBytes(0, bytes * order.size());
+  auto slot = [&](int r) { return all + bytes * indexIn(order, r); };
+  comm.reducer->copy(slot(comm.rank), data, bytes);
+  std::vector<SendJob> sends;
+  std::vector<RecvJob> recvs;
+  for (int r : comm.ring) {
+    if (r == comm.rank) continue;
+    sends.push_back(SendJob{r, headerFor(ctx, 0), {SendSeg{data, bytes}}});
+    recvs.push_back(RecvJob{r, headerFor(ctx, 0), {RecvSeg{slot(r), bytes}}, nullptr});
+  }
+  auto t0 = Clock::now();
+  runExchange(comm, ctx, sends, recvs);
+  // Reduce in rank order on every rank: the same operands in the same order give the same bits.
+  comm.reducer->copy(data, all, bytes);
+  for (size_t i = 1; i < order.size(); ++i) comm.reducer->reduceInto(data, all + bytes * i, numel, wire, op);
+  if (ctx.phases) {
+    ctx.phases->scatter_reduce_s += since(t0);
+    ctx.phases->algorithm = "direct";
+  }
+}
+
+void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
+  const size_t elem = elementSize(wire);
+  const auto chunks = ring::partition(numel, comm.size());
+  uint8_t* base = static_cast<uint8_t*>(data);
+  const auto chunk = partitionChunks(base, chunks, elem);
+  auto t0 = Clock::now();
+  algo::scatterReduce(comm, ctx, elem, chunk, [&](int c, uint64_t off, const void* seg, uint64_t bytes) {
+    comm.reducer->reduceInto(static_cast<uint8_t*>(chunk(c).data) + off, seg, static_cast<int64_t>(bytes / elem), wire, op);
+  });
+  auto t1 = Clock::now();
+  algo::allgather(comm, ctx, elem, chunk);
+  if (ctx.phases) {
+    ctx.phases->scatter_reduce_s += between(t0, t1);
+    ctx.phases->allgather_s += since(t1);
+    ctx.phases->algorithm = "ring";
+  }
+}
+
+// Two-level (hierarchical) allreduce: reduce-scatter among the ranks of this host, allreduce of
+// this rank's shard among the ranks holding the same shard on the other hosts, allgather inside
+// the host. Shard j's final value is computed once by the cross-host allreduce and copied, so
+// every rank ends with the same bits.
+void twoLevelAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
+  const size_t elem = elementSize(wire);
+  const int g = static_cast<int>(comm.local_group.size());
+  const int j = static_cast<int>(std::find(comm.local_group.begin(), comm.local_group.end(), comm.rank) -
+                                 comm.local_group.begin());
+  auto shards = ring::partition(numel, g);
+  uint8_t* base = static_cast<uint8_t*>(data);
+  int max_rank = 0;
+  for (int r : comm.ring) max_rank = std::max(max_rank, r);
+  std::vector<RecvSeg> blocks(static_cast<size_t>(max_rank) + 1, RecvSeg{nullptr, 0});
+  for (int k = 0; k < g; ++k)
+    blocks[comm.local_group[k]] = RecvSeg{base + shards[k].offset * elem, static_cast<uint64_t>(shards[k].count) * elem};
+  Comm local = comm;
+  local.ring = comm.local_group;
+  local.local_group.clear();
+  Comm cross = comm;
+  cross.ring = comm.cross_group;
+  cross.local_group.clear();
+  reduceScatter(local, ctx, blocks, wire, op);
+  allreduce(cross, ctx, base + shards[j].offset * elem, shards[j].count, wire, op);
+  allgather(local, ctx, blocks);
+  if (ctx.phases) ctx.phases->algorithm = "two_level";
+}
+
+void allreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
+  if (comm.size() <= 1) return;
+  const uint64_t bytes = static_cast<uint64_t>(numel) * elementSize(wire);
+  const bool small = bytes <= static_cast<uint64_t>(comm.small_bytes) || numel < comm.size();
+  const bool two_level_ok = comm.local_group.size() > 1 && comm.cross_group.size() > 1 &&
+                            numel >= static_cast<int64_t>(comm.local_group.size());
+  // numel == 0 still exchanges (empty) frames so a rank that disagrees about the size is told.
+  if (numel == 0 || comm.algo == Comm::Algo::Direct || (comm.algo == Comm::Algo::Auto && small)) {
+    directAllreduce(comm, ctx, data, numel, wire, op);
+  } else if (two_level_ok && (comm.algo == Comm::Algo::TwoLevel || comm.algo == Comm::Algo::Auto)) {
+    twoLevelAllreduce(comm, ctx, data, numel, wire, op);
+  } else {
+    ringAllreduce(comm, ctx, data, numel, wire, op);
+  }
+}
+
+void allreduce16(const Comm& comm, const OpCtx& ctx, uint16_t* data, int64_t numel, DType t, ReduceOp op,
+                 float pre_scale, float post_scale) {
+  if (t != DType::Float16 && t != DType::BFloat16)
+    throw std::invalid_argument(std::string("xirang: allreduce16 takes float16 or bfloat16, not ") + dtypeName(t));
+  const int n = comm.size();
+  if (n <= 1) {
+    if (pre_scale != 1.0f || post_scale != 1.0f) comm.reducer->combine16(data, 1, numel, t, op, pre_scale, post_scale, data);
+    return;
+  }
+  const int pos = comm.position();
+  auto chunks = ring::partition(numel, n);
+  const auto& mine = chunks[static_cast<size_t>(pos)];
+  const auto order = rankOrder(comm);
+  // Slot k: the contribution of the k-th member in rank order to this rank's chunk.
+  uint16_t* slots = reinterpret_cast<uint16_t*>(comm.scratchBytes(2, static_cast<size_t>(mine.count) * 2 * n));
+  auto slotOf = [&](int r) { return slots + mine.count * static_cast<int64_t>(indexIn(order, r)); };
+  comm.reducer->copy(slotOf(comm.rank), data + mine.offset, static_cast<uint64_t>(mine.count) * 2);
+  const uint64_t seg = algo::segmentBytes(comm, 2);
+  std::vector<SendJob> sends;
+  std::vector<RecvJob> recvs;
+  for (int q = 0; q < n; ++q) {
+    const int r = comm.ring[q];
+    if (r == comm.rank) continue;
+    sends.push_back(SendJob{r, headerFor(ctx, 1),
+                            algo::sendSegments(data + chunks[q].offset, static_cast<uint64_t>(chunks[q].count) * 2, seg)});
+    recvs.push_back(RecvJob{r, headerFor(ctx, 1), algo::recvSegments(slotOf(r), static_cast<uint64_t>(mine.count) * 2, seg),
+                            nullptr});
+  }
+  auto t0 = Clock::now();
+  runExchange(comm, ctx, sends, recvs);
+  auto t1 = Clock::now();
+  comm.reducer->combine16(slots, n, mine.count, t, op, pre_scale, post_scale, data + mine.offset);
+  auto t2 = Clock::now();
+  // Position q reduced chunks[q]; in the ring allgather's layout that is ring chunk q+1.
+  algo::allgather(comm, ctx, 2, [&](int c) {
+    const auto& r = chunks[static_cast<size_t>((c - 1 + n) % n)];
+    return RecvSeg{data + r.offset, static_cast<uint64_t>(r.count) * 2};
+  });
+  if (ctx.phases) {
+    ctx.phases->scatter_reduce_s += between(t0, t1);
+    ctx.phases->encode_s += between(t1, t2);
+    ctx.phases->algorithm = "direct_rs_fp32+ring_ag";
+  }
+}
+
+void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t numel) {
+  const int n = comm.size();
+  const float scale = 1.0f / static_cast<float>(n);
+  algo::Reducer& red = *comm.reducer;
+  uint16_t* wire = reinterpret_cast<uint16_t*>(comm.scratchBytes(1, static_cast<size_t>(numel) * 2));
+  Phases dummy;
+  Phases& ph = ctx.phases ? *ctx.phases : dummy;
+  ph.algorithm = "ring_bf16_ef";
+  if (n <= 1 || numel == 0) {
+    auto t0 = Clock::now();
+    red.encodeEF(x, scale, r_in, r_out, wire, numel);
+    ph.encode_s += since(t0);
+    auto t1 = Clock::now();
+    red.decode(wire, x, numel);
+    ph.decode_s += since(t1);
+    return;
+  }
+  const int pos = comm.position();
+  const auto chunks = ring::partition(numel, n);
+  // First hop: this position starts chunk ring::scatterReduceStep(pos, n, 0).send_chunk.
+  auto t0 = Clock::now();
+  {
+    const auto& c = chunks[static_cast<size_t>(ring::scatterReduceStep(pos, n, 0).send_chunk)];
+    red.encodeEF(x + c.offset, scale, r_in + c.offset, r_out + c.offset, wire + c.offset, c.count);
+  }
+  ph.encode_s += since(t0);
+  const auto chunk = partitionChunks(reinterpret_cast<uint8_t*>(wire), chunks, 2);
+  auto t1 = Clock::now();
+  double hop_codec_s = 0;
+  algo::scatterReduce(comm, ctx, 2, chunk, [&](int c, uint64_t off, const void* seg, uint64_t bytes) {
+    auto tc = Clock::now();
+    const int64_t at = chunks[static_cast<size_t>(c)].offset + static_cast<int64_t>(off / 2);
+    // Partial sum so far + this rank's x/N + residual, re-encoded; the rounding error of this
+    // hop becomes this rank's residual for these elements (every rounding is fed back).
+    red.accumulateEncodeEF(static_cast<const uint16_t*>(seg), x + at, scale, r_in + at, r_out + at, wire + at,
+                           static_cast<int64_t>(bytes / 2));
+    hop_codec_s += since(tc);
+  });
+  auto t2 = Clock::now();
+  algo::allgather(comm, ctx, 2, chunk);
+  auto t3 = Clock::now();
+  // Every rank, the owner included, decodes the same bf16 values: replicas are bitwise equal.
+  red.decode(wire, x, numel);
+  ph.decode_s += since(t3);
+  ph.encode_s += hop_codec_s;
+  ph.scatter_reduce_s += between(t1, t2) - hop_codec_s;
+  ph.allgather_s += between(t2, t3);
+}
+
+}  // namespace xirang

@@ -1,0 +1,52 @@
+// Which algorithm an operation takes and how AVG / PREMUL_SUM are applied: the policy, in one
+// place, above the algorithms (collectives.h) and below the backend.
+//
+// Allreduce (planAllreduce):
+//   * 16-bit floats (float16, bfloat16) are rounded once, never at every hop. Where the topology
+//     matters (a forced ring or two-level algorithm, or a two-level plan exists) they are widened
+//     to fp32 and reduced by that algorithm on fp32 partial sums (twice the bytes), then rounded;
+//     otherwise the direct reduce-scatter in 16 bits with fp32 accumulation at each chunk's owner
+//     (allreduce16: 16 bits on the wire, PREMUL's factor on every input and AVG's 1/N on the sum).
+//   * other dtypes: AVG divides every input by N before the sum (N values near the dtype's
+//     maximum average to a finite number instead of overflowing), PREMUL_SUM multiplies every
+//     input by its factor, then SUM; the algorithm by size and topology (collectives.h: allreduce).
+// Reduce-scatter takes the same scaling (scalingFor).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/collectives.h"
+#include "core/dtype.h"
+
+namespace xirang {
+
+// How an op's AVG / PREMUL_SUM becomes a plain reduction: the op the algorithm runs and the
+// factor every input is multiplied by first (1 for the other ops).
+struct Scaling {
+  ReduceOp wire_op = ReduceOp::Sum;
+  double factor = 1.0;
+};
+// AVG -> (Sum, 1/world_size); PREMUL_SUM -> (Sum, premul); any other op -> (op, 1).
+Scaling scalingFor(ReduceOp op, double premul, int world_size);
+
+struct AllreducePlan {
+  enum class Path {
+    Native,    // the dtype itself through allreduce() (direct / ring / two-level by size)
+    Widened,   // 16-bit floats widened to fp32, allreduce() on fp32, rounded once
+    Direct16,  // 16-bit floats: allreduce16 (fp32 accumulation at the owner, one rounding)
+  } path = Path::Native;
+  ReduceOp wire_op = ReduceOp::Sum;
+  double pre_scale = 1.0;   // every input, before the reduction (Native, Widened: in the dtype / fp32)
+  float post_scale = 1.0f;  // Direct16 only: AVG's 1/N on the fp32 result
+};
+AllreducePlan planAllreduce(const Comm& comm, DType dtype, ReduceOp op, double premul);
+const char* pathName(AllreducePlan::Path p);
+
+// The one allreduce entry: plans and runs it in place on `numel` elements of `dtype` at `data`
+// (any ReduceOp the dtype allows, AVG and PREMUL_SUM with `premul` included). Results are
+// bitwise identical on all ranks. Throws std::invalid_argument for an op the dtype does not have.
+void allreduceOp(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType dtype, ReduceOp op,
+                 double premul = 1.0);
+
+}  // namespace xirang
