@@ -68,7 +68,21 @@ def core_sources():
     return [l.strip() for l in lines if l.strip() and not l.startswith("#")]
 
 
-sources = core_sources() + ["csrc/backend/process_group_xirang.cc", "csrc/bindings.cpp"]
+# The torch-facing sources (backend/process_group_xirang.h names what each file holds).
+BACKEND_SOURCES = [
+    "csrc/backend/config.cc",
+    "csrc/backend/device_engine.cc",
+    "csrc/backend/elastic.cc",
+    "csrc/backend/host_engine.cc",
+    "csrc/backend/op_queue.cc",
+    "csrc/backend/p2p.cc",
+    "csrc/backend/process_group_xirang.cc",
+    "csrc/backend/records.cc",
+    "csrc/backend/tensors.cc",
+    "csrc/backend/work.cc",
+    "csrc/bindings.cpp",
+]
+sources = core_sources() + BACKEND_SOURCES
 version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
 
 
@@ -90,13 +104,7 @@ def _want_cuda():
 
 
 WITH_CUDA = _want_cuda()
-NCCL_VERSION = None
 if WITH_CUDA:
-    try:  # reads the bundled library; works without a GPU
-        v = torch.cuda.nccl.version()
-        NCCL_VERSION = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
-    except Exception:  # noqa: BLE001
-        NCCL_VERSION = None
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
     print(f"xirang: building the CUDA path (CUDA {torch.version.cuda}, CUDA_HOME {_cuda_home}, "
           f"TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']})")
@@ -108,7 +116,9 @@ build_info.write_text(
     f"TORCH_VERSION = {torch.__version__!r}\n"
     f"XIRANG_VERSION = {version!r}\n"
     f"CUDA = {(torch.version.cuda if WITH_CUDA else None)!r}\n"
-    f"NCCL = {NCCL_VERSION!r}\n"
+    # The NCCL xirang itself links: none yet (CUDA tensors are host-staged over TCP); torch's
+    # own NCCL is torch.cuda.nccl.version().
+    "NCCL = None\n"
 )
 
 # -ffp-contract=off: the codec's bits must not depend on FMA contraction.

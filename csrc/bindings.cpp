@@ -25,40 +25,25 @@ namespace py = pybind11;
 
 namespace {
 
-py::dict recordToDict(const xirang::OpRecord& r) {
+// A record's field value as Python: numbers, str, bool, None for an unset optional, a list of
+// dicts for the peers.
+template <class T>
+py::object toPython(const T& v) {
+  return py::cast(v);
+}
+py::object toPython(const std::optional<double>& v) { return v ? py::cast(*v) : py::none(); }
+template <class R>
+py::dict fieldsToDict(const R& r);
+py::object toPython(const std::vector<xirang::PeerRecord>& peers) {
+  py::list out;
+  for (const auto& p : peers) out.append(fieldsToDict(p));
+  return out;
+}
+// One record as a dict, from its field table (backend/records.h).
+template <class R>
+py::dict fieldsToDict(const R& r) {
   py::dict d;
-  d["seq"] = r.seq;
-  d["op"] = r.op;
-  d["algorithm"] = r.algorithm;
-  d["group_id"] = r.group_id;
-  d["dtype"] = r.dtype;
-  d["numel"] = r.numel;
-  d["bytes_raw"] = r.bytes_raw;
-  d["bytes_wire"] = r.bytes_wire;
-  d["t_enqueue"] = r.t_enqueue;
-  d["queued_s"] = r.queued_s;
-  d["encode_s"] = r.encode_s;
-  d["scatter_reduce_s"] = r.scatter_reduce_s;
-  d["allgather_s"] = r.allgather_s;
-  d["decode_s"] = r.decode_s;
-  d["total_s"] = r.total_s;
-  d["ok"] = r.ok;
-  d["label"] = r.label;
-  d["bytes_cross_host"] = r.bytes_cross_host;
-  d["bytes_cross_rack"] = r.bytes_cross_rack;
-  if (r.exposed_wait_s < 0) d["exposed_wait_s"] = py::none();
-  else d["exposed_wait_s"] = r.exposed_wait_s;
-  py::list peers;
-  for (const auto& p : r.peers) {
-    py::dict pd;
-    pd["peer"] = p.peer;
-    pd["send_s"] = p.send_s;
-    pd["recv_s"] = p.recv_s;
-    pd["bytes_sent"] = p.bytes_sent;
-    pd["bytes_recv"] = p.bytes_recv;
-    peers.append(pd);
-  }
-  d["peers"] = peers;
+  xirang::forEachField(r, [&d](const char* name, const auto& v) { d[name] = toPython(v); });
   return d;
 }
 
@@ -235,17 +220,23 @@ PYBIND11_MODULE(_C, m) {
         "Name of the codec path in use: 'avx512bf16', 'avx2' or 'scalar' (XIRANG_CODEC overrides).");
   m.def("env_knobs", [] {
     py::list out;
-    for (const auto& k : xirang::env::knobs()) out.append(py::make_tuple(k.name, k.default_value, k.help));
+    for (const auto& k : xirang::env::knobs())
+      out.append(py::make_tuple(k.name, k.default_value, k.help, xirang::env::typeName(k.type),
+                                xirang::env::readName(k.read)));
     return out;
-  }, "Every XIRANG_* knob as (name, default, help), in declaration order.");
+  }, "Every XIRANG_* knob as (name, default, help, type, read), in declaration order. type: 'string',\n"
+     "'int', 'float' or 'bool'; read: when it is read: 'process' (first use, then cached), 'group' (each\n"
+     "group creation), 'op' (each operation) or 'call' (each call of the function its help names).");
   // Python reads its knobs through these, so that each knob's default and parsing live once, in
   // core/env.cc. Bad values raise ValueError (std::invalid_argument) naming the knob.
   m.def("env_get", [](const std::string& name) { return xirang::env::get(name.c_str()); }, py::arg("name"),
         "A declared XIRANG_* knob's value: the environment's if set and non-empty, else its default.");
   m.def("env_bool", [](const std::string& name) { return xirang::env::getBool(name.c_str()); }, py::arg("name"),
         "A declared boolean knob: 1/true/yes/on or 0/false/no/off (case-insensitive); else ValueError.");
+  m.def("env_int", [](const std::string& name) { return xirang::env::getInt(name.c_str()); }, py::arg("name"),
+        "A declared int knob (K/M/G suffixes: powers of 1024; unset and no default: 0); ValueError otherwise.");
   m.def("env_double", [](const std::string& name) { return xirang::env::getDouble(name.c_str()); }, py::arg("name"),
-        "A declared numeric knob as a float; ValueError if it is not a number.");
+        "A declared float knob as a float; ValueError if it is not a number.");
   m.def("env_log_level", [] {
     static const char* names[] = {"WARN", "INFO", "TRACE"};
     return std::string(names[static_cast<int>(xirang::env::parseLogLevel())]);
@@ -280,8 +271,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
                        const std::string& group_name, const std::string& algorithm, std::vector<int> ring,
                        std::vector<std::string> hosts, std::vector<std::string> racks, int global_rank,
-                       const std::string& stats_dir, const std::string& run_id, bool elastic, double heartbeat_s,
-                       bool join, const std::string& generation) {
+                       const std::string& stats_dir, const std::string& run_id, bool elastic,
+                       std::optional<double> heartbeat_s, bool join, const std::string& generation) {
              xirang::XirangConfig cfg;
              cfg.group_name = group_name;
              cfg.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
@@ -293,7 +284,7 @@ PYBIND11_MODULE(_C, m) {
              cfg.stats_dir = stats_dir;
              cfg.run_id = run_id;
              cfg.elastic = elastic;
-             cfg.heartbeat_s = heartbeat_s;
+             cfg.heartbeat_s = heartbeat_s ? *heartbeat_s : xirang::env::getDouble("XIRANG_HEARTBEAT_S");
              cfg.join = join;
              cfg.generation = generation;
              return c10::make_intrusive<xirang::ProcessGroupXirang>(store, rank, size, cfg);
@@ -302,11 +293,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("algorithm") = "auto", py::arg("ring") = std::vector<int>{},
            py::arg("hosts") = std::vector<std::string>{}, py::arg("racks") = std::vector<std::string>{},
            py::arg("global_rank") = 0, py::arg("stats_dir") = "", py::arg("run_id") = "",
-           py::arg("elastic") = false, py::arg("heartbeat_s") = 1.0, py::arg("join") = false,
+           py::arg("elastic") = false, py::arg("heartbeat_s") = py::none(), py::arg("join") = false,
            py::arg("generation") = "", py::call_guard<py::gil_scoped_release>(),
            "Create the backend of one group: store (c10d Store, prefixed per group by torch), group rank and\n"
            "size, timeout in seconds, ring order (group ranks; empty = rank order), host/rack label per rank,\n"
-           "elastic mode, its heartbeat period in seconds, join (a spare taking rank `rank`'s place:\n"
+           "elastic mode, its heartbeat period in seconds (None: XIRANG_HEARTBEAT_S), join (a spare taking rank `rank`'s place:\n"
            "blocks until the live ranks admit it) and the creation's generation (generation(); empty:\n"
            "the constructor runs that handshake itself).")
       .def("allreduce_ef", &xirang::ProcessGroupXirang::allreduceBF16EF, py::arg("buffer"), py::arg("residual"),
@@ -318,7 +309,7 @@ PYBIND11_MODULE(_C, m) {
            "Returns a Work; its future's value is [buffer, *plain], bitwise equal on all ranks.")
       .def("records", [](xirang::ProcessGroupXirang& pg) {
         py::list out;
-        for (const auto& r : pg.records()) out.append(recordToDict(r));
+        for (const auto& r : pg.records()) out.append(fieldsToDict(r));
         return out;
       }, "This rank's operation records, oldest first (bounded by XIRANG_STATS_CAPACITY).")
       .def("clear_records", &xirang::ProcessGroupXirang::clearRecords)

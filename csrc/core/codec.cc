@@ -6,6 +6,7 @@
 // even where this file is compiled with GCC's default -ffp-contract=fast (e.g. the
 // avx512f target implies FMA, and intrinsic mul/add are ordinary vector ops that GCC contracts).
 #include "core/codec.h"
+#include "core/env.h"
 
 #include <atomic>
 #include <cctype>
@@ -329,8 +330,8 @@ XR_AVX512 void accumulateEncodeEFAVX512(const uint16_t* in, const float* x, floa
 std::atomic<int> gPath{-1};
 
 Path resolveFromEnv() {
-  const char* env = std::getenv("XIRANG_CODEC");
-  std::string v = env ? env : "";
+  const std::string raw = env::get("XIRANG_CODEC");  // declared in core/env.cc (default "auto")
+  std::string v = raw;
   for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (v.empty() || v == "auto") {
     if (pathAvailable(Path::AVX512BF16)) return Path::AVX512BF16;
@@ -340,13 +341,13 @@ Path resolveFromEnv() {
   for (Path p : {Path::Scalar, Path::AVX2, Path::AVX512BF16}) {
     if (v == pathName(p)) {
       if (!pathAvailable(p)) {
-        throw std::runtime_error(std::string("XIRANG_CODEC=") + env + ": codec path '" +
+        throw std::runtime_error(std::string("XIRANG_CODEC=") + raw + ": codec path '" +
                                  pathName(p) + "' is not available on this CPU/build");
       }
       return p;
     }
   }
-  throw std::runtime_error(std::string("XIRANG_CODEC=") + env +
+  throw std::runtime_error(std::string("XIRANG_CODEC=") + raw +
                            ": unknown codec path (expected auto, avx512bf16, avx2 or scalar)");
 }
 

@@ -13,52 +13,103 @@
 namespace xirang::env {
 
 const std::vector<Knob>& knobs() {
+  using T = Type;
+  using R = Read;
   static const std::vector<Knob> table = {
-      {"XIRANG_DEBUG", "WARN", "log level: WARN, INFO (ring order, algorithm, addresses), TRACE (every op)"},
-      {"XIRANG_SOCKET_IFNAME", "", "network interface to listen and connect on (like GLOO_SOCKET_IFNAME); default: the address the hostname resolves to, else loopback"},
-      {"XIRANG_SEGMENT_BYTES", "1048576", "ring segment size in bytes: encode, send, receive and reduce of different segments overlap"},
-      {"XIRANG_SMALL_BYTES", "65536", "messages up to this many bytes take the latency-optimal direct exchange instead of the ring"},
-      {"XIRANG_SEND_THREAD_BYTES", "1048576", "a ring step that sends at least this many bytes to one peer while receiving pumps the send on a helper thread (0: never)"},
-      {"XIRANG_SHM_BYTES", "4194304", "shared-memory slot per same-host rank, bytes, 4096 to 1073741824 (the segment holds one per local rank): collectives move messages through it in pieces of about this size; 4 MiB keeps 8 ranks within Docker's default 64 MiB /dev/shm, and at 4 MiB a piece's copies cost far more than its two barriers"},
-      {"XIRANG_CODEC", "auto", "codec path: auto, avx512bf16, avx2, scalar"},
-      {"XIRANG_CUDA_TRANSPORT", "auto", "CUDA tensors: auto or host (pinned host staging + TCP); nccl is not implemented yet"},
-      {"XIRANG_ALGO", "auto", "allreduce algorithm: auto, ring, direct, two_level"},
-      {"XIRANG_RING_ORDER", "topology", "ring order: topology (rack, host, rank) or rank"},
-      {"XIRANG_HOST", "", "host label of this rank (default: hostname)"},
-      {"XIRANG_RACK", "", "rack label of this rank (default: XIRANG_TOPOLOGY_FILE's entry for the host, else 'rack0')"},
-      {"XIRANG_TOPOLOGY_FILE", "", "file of 'hostname rack' lines mapping hosts to racks"},
-      {"XIRANG_STATS_DIR", "", "directory where every rank appends its operation records as rank<N>.jsonl"},
-      {"XIRANG_STATS", "1", "0: a process group created now keeps no operation records (xirang.stats() empty, no JSON lines, Work.wait not timed); for measuring what they cost"},
-      {"XIRANG_STATS_CAPACITY", "65536", "operation records kept in memory per process group (ring buffer)"},
-      {"XIRANG_AUTH_KEY_FILE", "", "file holding a 128-bit group key as 32 hex digits (a secret the launcher distributes): peers must prove they hold it, and no secret is written to the c10d store (README: Security model)"},
-      {"XIRANG_HANDSHAKE_TIMEOUT_MS", "10000", "bound on one connection's authentication handshake, milliseconds"},
-      {"XIRANG_PROMETHEUS_PORT", "", "xirang.exporters.start_prometheus(): serve metrics on this port + LOCAL_RANK"},
-      {"XIRANG_RUN_ID", "", "run id written into every stats record (default: TORCHELASTIC_RUN_ID)"},
-      {"XIRANG_ELASTIC", "0", "1: elastic mode (#8): a lost rank is dropped, the survivors agree on a new ring and keep going; in-flight ops raise xirang.MembershipChanged"},
-      {"XIRANG_JOIN", "0", "elastic mode: 1 makes this process a spare that takes its RANK's place once the live ranks call xirang.admit_joiners()"},
-      {"XIRANG_HEARTBEAT_S", "1.0", "elastic mode: a rank whose store heartbeat has not advanced for this many seconds is declared failed"},
-      {"XIRANG_TEST_DIE_AFTER_SEGMENTS", "0", "test only: k or k@r: this process (with @r only if its group rank is r) kills itself (SIGKILL) after sending k data frames"},
-      {"XIRANG_TEST_DELAY_MS", "0", "test only: sleep this long before each collective on this rank (to make a slow rank)"},
+      {"XIRANG_DEBUG", "WARN", "log level: WARN, INFO (ring order, algorithm, addresses), TRACE (every op)", T::String,
+       R::Process},
+      {"XIRANG_SOCKET_IFNAME", "", "network interface to listen and connect on (like GLOO_SOCKET_IFNAME); default: the address the hostname resolves to, else loopback",
+       T::String, R::Group},
+      {"XIRANG_SEGMENT_BYTES", "1048576", "ring segment size in bytes: encode, send, receive and reduce of different segments overlap",
+       T::Int, R::Group},
+      {"XIRANG_SMALL_BYTES", "65536", "messages up to this many bytes take the latency-optimal direct exchange instead of the ring",
+       T::Int, R::Group},
+      {"XIRANG_SEND_THREAD_BYTES", "1048576", "a ring step that sends at least this many bytes to one peer while receiving pumps the send on a helper thread (0: never)",
+       T::Int, R::Process},
+      {"XIRANG_SHM_BYTES", "4194304", "shared-memory slot per same-host rank, bytes, 4096 to 1073741824 (the segment holds one per local rank): collectives move messages through it in pieces of about this size; 4 MiB keeps 8 ranks within Docker's default 64 MiB /dev/shm, and at 4 MiB a piece's copies cost far more than its two barriers",
+       T::Int, R::Group},
+      {"XIRANG_CODEC", "auto", "codec path: auto, avx512bf16, avx2, scalar", T::String, R::Process},
+      {"XIRANG_CUDA_TRANSPORT", "auto", "CUDA tensors: auto or host (pinned host staging + TCP); nccl is not implemented yet",
+       T::String, R::Op},
+      {"XIRANG_ALGO", "auto", "allreduce algorithm: auto, ring, direct, two_level", T::String, R::Group},
+      {"XIRANG_RING_ORDER", "topology", "ring order: topology (rack, host, rank) or rank", T::String, R::Group},
+      {"XIRANG_HOST", "", "host label of this rank (default: hostname)", T::String, R::Group},
+      {"XIRANG_RACK", "", "rack label of this rank (default: XIRANG_TOPOLOGY_FILE's entry for the host, else 'rack0')",
+       T::String, R::Group},
+      {"XIRANG_TOPOLOGY_FILE", "", "file of 'hostname rack' lines mapping hosts to racks", T::String, R::Group},
+      {"XIRANG_STATS_DIR", "", "directory where every rank appends its operation records as rank<N>.jsonl", T::String,
+       R::Group},
+      {"XIRANG_STATS", "1", "0: a process group created now keeps no operation records (xirang.stats() empty, no JSON lines, Work.wait not timed); for measuring what they cost",
+       T::Bool, R::Group},
+      {"XIRANG_STATS_CAPACITY", "65536", "operation records kept in memory per process group (ring buffer)", T::Int,
+       R::Group},
+      {"XIRANG_AUTH_KEY_FILE", "", "file holding a 128-bit group key as 32 hex digits (a secret the launcher distributes): peers must prove they hold it, and no secret is written to the c10d store (README: Security model)",
+       T::String, R::Group},
+      {"XIRANG_HANDSHAKE_TIMEOUT_MS", "10000", "bound on one connection's authentication handshake, milliseconds", T::Int,
+       R::Group},
+      {"XIRANG_PROMETHEUS_PORT", "", "xirang.exporters.start_prometheus(): serve metrics on this port + LOCAL_RANK",
+       T::Int, R::Call},
+      {"XIRANG_RUN_ID", "", "run id written into every stats record (default: TORCHELASTIC_RUN_ID)", T::String,
+       R::Group},
+      {"XIRANG_ELASTIC", "0", "1: elastic mode: a lost rank is dropped, the survivors agree on a new ring and keep going; in-flight ops raise xirang.MembershipChanged",
+       T::Bool, R::Group},
+      {"XIRANG_JOIN", "0", "elastic mode: 1 makes this process a spare that takes its RANK's place once the live ranks call xirang.admit_joiners()",
+       T::Bool, R::Group},
+      {"XIRANG_HEARTBEAT_S", "1.0", "elastic mode: a rank whose store heartbeat has not advanced for this many seconds is declared failed",
+       T::Float, R::Group},
+      {"XIRANG_TEST_DIE_AFTER_SEGMENTS", "0", "test only: k or k@r: this process (with @r only if its group rank is r) kills itself (SIGKILL) after sending k data frames",
+       T::String, R::Process},
+      {"XIRANG_TEST_DELAY_MS", "0", "test only: sleep this long before each collective on this rank (to make a slow rank)",
+       T::Int, R::Process},
   };
   return table;
 }
 
-static const Knob& find(const char* name) {
+const char* typeName(Type t) {
+  switch (t) {
+    case Type::String: return "string";
+    case Type::Int: return "int";
+    case Type::Float: return "float";
+    case Type::Bool: return "bool";
+  }
+  return "?";
+}
+
+const char* readName(Read r) {
+  switch (r) {
+    case Read::Process: return "process";
+    case Read::Group: return "group";
+    case Read::Op: return "op";
+    case Read::Call: return "call";
+  }
+  return "?";
+}
+
+const Knob& knob(const char* name) {
   for (const auto& k : knobs()) {
     if (std::strcmp(k.name, name) == 0) return k;
   }
   throw std::invalid_argument(std::string("xirang: unknown environment knob ") + name);
 }
 
+// The knob's value as get() returns it, after checking that it is declared with type `t`.
+static std::string getAs(const char* name, Type t) {
+  const Knob& k = knob(name);
+  if (k.type != t)
+    throw std::invalid_argument(std::string("xirang: environment knob ") + name + " is declared as " +
+                                typeName(k.type) + ", not " + typeName(t));
+  return get(name);
+}
+
 std::string get(const char* name) {
-  const Knob& k = find(name);
+  const Knob& k = knob(name);
   const char* v = std::getenv(name);
   if (v != nullptr && v[0] != '\0') return v;
   return k.default_value;
 }
 
 int64_t getInt(const char* name) {
-  std::string v = get(name);
+  std::string v = getAs(name, Type::Int);
   if (v.empty()) return 0;
   char* end = nullptr;
   errno = 0;
@@ -80,7 +131,7 @@ int64_t getInt(const char* name) {
 }
 
 double getDouble(const char* name) {
-  std::string v = get(name);
+  std::string v = getAs(name, Type::Float);
   char* end = nullptr;
   double x = std::strtod(v.c_str(), &end);
   if (v.empty() || end == v.c_str() || *end != '\0') {
@@ -90,7 +141,7 @@ double getDouble(const char* name) {
 }
 
 bool getBool(const char* name) {
-  const std::string raw = get(name);
+  const std::string raw = getAs(name, Type::Bool);
   std::string v = raw;
   for (auto& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (v == "1" || v == "true" || v == "yes" || v == "on") return true;

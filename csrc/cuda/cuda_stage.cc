@@ -1,9 +1,8 @@
-// Host-staged CUDA support: see cuda_stage.h.
+// The host-staged CUDA engine: see cuda_stage.h.
 #include "cuda/cuda_stage.h"
 
 #include "core/env.h"
 
-#include <cstdlib>
 #include <map>
 #include <string>
 
@@ -100,7 +99,7 @@ struct Stage::Events {
 Stage::Stage(Streams& streams) : streams_(streams.impl()) {}
 Stage::~Stage() = default;
 
-at::Tensor Stage::add(const at::Tensor& t, bool copy_in, bool copy_out) {
+at::Tensor Stage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
   if (!t.defined() || !t.is_cuda()) return t;
   TORCH_CHECK(t.layout() == at::kStrided, "xirang: sparse CUDA tensors are not supported");
   if (entries_.empty()) {
@@ -114,9 +113,14 @@ at::Tensor Stage::add(const at::Tensor& t, bool copy_in, bool copy_out) {
   return host;
 }
 
-void Stage::inputsReady() {
+void Stage::queued() {
   if (entries_.empty()) return;
   ev_->ready.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+}
+
+std::vector<c10::Device> Stage::devices() const {
+  if (entries_.empty()) return {};
+  return {device_};
 }
 
 at::Tensor Stage::userTensor(const at::Tensor& t) const {
@@ -167,6 +171,11 @@ void Stage::block() {
 bool Stage::query() {
   if (entries_.empty() || !ev_->done_recorded) return true;
   return ev_->done.query();
+}
+
+std::shared_ptr<OpStage> Engine::stage() {
+  checkTransport();
+  return std::make_shared<Stage>(streams_);
 }
 
 }  // namespace xirang::cudastage

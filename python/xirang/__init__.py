@@ -25,7 +25,8 @@ def build_info() -> dict:
     """What this xirang was built with.
 
     Returns a dict: xirang (version), torch (the version built against), torch_running,
-    cuda (CUDA version of the CUDA path, None when not built), nccl (None when not built),
+    cuda (CUDA version of the CUDA path, None when not built), nccl (the NCCL xirang links:
+    None, as xirang does not use NCCL yet; torch's own is torch.cuda.nccl.version()),
     compiler, codec (SIMD path in use: 'avx512bf16', 'avx2' or 'scalar').
     Raises TorchVersionMismatch if the running torch differs from the one built against.
     """
@@ -46,7 +47,12 @@ def build_info() -> dict:
 
 
 def env_knobs() -> list:
-    """Every XIRANG_* environment knob as (name, default, help), as declared in csrc/core/env.cc."""
+    """Every XIRANG_* environment knob as (name, default, help, type, read), as declared in csrc/core/env.cc.
+
+    type: 'string', 'int', 'float' or 'bool'; read: when it is read ('process': at first use,
+    then cached; 'group': at each group creation; 'op': at each operation; 'call': at each call
+    of the function its help names).
+    """
     from ._backend import load_C
 
     return [tuple(k) for k in load_C().env_knobs()]

@@ -12,9 +12,10 @@ def markdown_table() -> str:
     """The knobs as the markdown table README.md carries."""
     import xirang
 
-    rows = ["| knob | default | meaning |", "| --- | --- | --- |"]
-    for name, default, help_ in xirang.env_knobs():
-        rows.append(f"| `{name}` | `{default}` | {help_} |" if default else f"| `{name}` | (unset) | {help_} |")
+    rows = ["| knob | default | type | read | meaning |", "| --- | --- | --- | --- | --- |"]
+    for name, default, help_, type_, read in xirang.env_knobs():
+        shown = f"`{default}`" if default else "(unset)"
+        rows.append(f"| `{name}` | {shown} | {type_} | {read} | {help_} |")
     return "\n".join(rows)
 
 
@@ -29,9 +30,10 @@ def main(argv=None) -> None:
 
     import xirang
 
-    for name, default, help_ in xirang.env_knobs():
+    for name, default, help_, type_, read in xirang.env_knobs():
         cur = os.environ.get(name)
-        print(f"{name:28} default={default or '(unset)':10} {'now=' + cur if cur else ''}\n    {help_}")
+        print(f"{name:28} default={default or '(unset)':10} {type_:6} read per {read:7} {'now=' + cur if cur else ''}"
+              f"\n    {help_}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 // Knob parsing (csrc/core/env.h): the one boolean rule and XIRANG_DEBUG's levels.
 #include <catch2/catch.hpp>
 
+#include <cctype>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -81,5 +82,33 @@ TEST_CASE("env: XIRANG_DEBUG is WARN, INFO or TRACE in any case", "[env]") {
     CHECK(what.find(std::string("XIRANG_DEBUG='") + v + "' is not a log level") != std::string::npos);
     CHECK(what.find("WARN, INFO, TRACE") != std::string::npos);
     CHECK_NOTHROW(env::logLevel());  // logging itself never throws
+  }
+}
+
+TEST_CASE("env: a knob is read only through the getter of its declared type", "[env]") {
+  CHECK(env::knob("XIRANG_STATS").type == env::Type::Bool);
+  CHECK(env::getBool("XIRANG_STATS"));
+  const std::string what = errorOf([] { env::getInt("XIRANG_STATS"); });
+  CHECK(what.find("XIRANG_STATS is declared as bool, not int") != std::string::npos);
+  CHECK_FALSE(errorOf([] { env::getDouble("XIRANG_SEGMENT_BYTES"); }).empty());
+  CHECK_FALSE(errorOf([] { env::getBool("XIRANG_HEARTBEAT_S"); }).empty());
+  CHECK(env::getInt("XIRANG_SEGMENT_BYTES") > 0);
+  CHECK_FALSE(errorOf([] { env::knob("XIRANG_NO_SUCH_KNOB"); }).empty());
+}
+
+TEST_CASE("env: every knob declares a type, when it is read and a doc line without issue numbers", "[env]") {
+  for (const auto& k : env::knobs()) {
+    INFO(k.name);
+    CHECK(std::string(env::typeName(k.type)) != "?");
+    CHECK(std::string(env::readName(k.read)) != "?");
+    const std::string help = k.help;
+    CHECK_FALSE(help.empty());
+    for (size_t i = help.find('#'); i != std::string::npos; i = help.find('#', i + 1))
+      CHECK_FALSE((i + 1 < help.size() && std::isdigit(static_cast<unsigned char>(help[i + 1]))));
+    // The default parses with the knob's own getter (unset defaults read as empty / 0 / false).
+    ScopedEnv unset(k.name, "");
+    if (k.type == env::Type::Int) CHECK_NOTHROW(env::getInt(k.name));
+    if (k.type == env::Type::Float) CHECK_NOTHROW(env::getDouble(k.name));
+    if (k.type == env::Type::Bool) CHECK_NOTHROW(env::getBool(k.name));
   }
 }

@@ -1,0 +1,53 @@
+#include "backend/config.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "core/env.h"
+#include "core/topology.h"
+
+namespace xirang {
+
+Comm configure(int rank, int size, const XirangConfig& cfg, std::string& algo) {
+  Comm comm;
+  comm.rank = rank;
+  if (cfg.ring.empty()) {
+    for (int r = 0; r < size; ++r) comm.ring.push_back(r);
+  } else {
+    TORCH_CHECK(static_cast<int>(cfg.ring.size()) == size, "xirang: ring order has ", cfg.ring.size(),
+                " entries for world size ", size);
+    comm.ring = cfg.ring;
+  }
+  comm.segment_bytes = env::getInt("XIRANG_SEGMENT_BYTES");
+  comm.small_bytes = env::getInt("XIRANG_SMALL_BYTES");
+  TORCH_CHECK(comm.segment_bytes >= 4096, "xirang: XIRANG_SEGMENT_BYTES=", comm.segment_bytes,
+              " is too small (at least 4096 bytes; default ", env::knob("XIRANG_SEGMENT_BYTES").default_value, ")");
+  TORCH_CHECK(comm.small_bytes >= 0, "xirang: XIRANG_SMALL_BYTES=", comm.small_bytes, " must be >= 0");
+  algo = cfg.algorithm == "auto" ? env::get("XIRANG_ALGO") : cfg.algorithm;
+  if (algo == "ring") comm.algo = Comm::Algo::Ring;
+  else if (algo == "direct") comm.algo = Comm::Algo::Direct;
+  else if (algo == "two_level") comm.algo = Comm::Algo::TwoLevel;
+  else if (algo == "auto") comm.algo = Comm::Algo::Auto;
+  else TORCH_CHECK(false, "xirang: XIRANG_ALGO/algorithm must be auto, ring, direct or two_level, got '", algo, "'");
+  if (static_cast<int>(cfg.hosts.size()) == size && size > 1) {
+    std::vector<topology::RankLabel> labels;
+    for (int r = 0; r < size; ++r)
+      labels.push_back({r, cfg.hosts[r], r < static_cast<int>(cfg.racks.size()) ? cfg.racks[r] : "", 0});
+    topology::assignLocalRanks(labels);
+    auto plan = topology::twoLevelPlan(labels, /*by_rack=*/false);
+    if (plan.valid && plan.local_groups.size() > 1 && plan.local_groups[0].size() > 1) {
+      for (auto& lg : plan.local_groups)
+        if (std::find(lg.begin(), lg.end(), rank) != lg.end()) comm.local_group = lg;
+      for (auto& cg : plan.cross_groups)
+        if (std::find(cg.begin(), cg.end(), rank) != cg.end()) comm.cross_group = cg;
+    } else if (algo == "two_level" || algo == "auto") {
+      env::log(env::Level::Info, rank,
+               "two-level allreduce unavailable (" +
+                   (plan.valid ? std::string("one host or one rank per host") : plan.reason) + "): using the ring");
+    }
+  }
+  return comm;
+}
+
+}  // namespace xirang

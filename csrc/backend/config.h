@@ -1,0 +1,38 @@
+// What torch.distributed's creator of a xirang group (python/xirang/_backend.py) hands to
+// ProcessGroupXirang: the group's identity, labels and modes. The knobs the group reads itself
+// (segment sizes, records, the transport's) come from core/env when it is created.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "core/collectives.h"
+
+namespace xirang {
+
+struct XirangConfig {
+  std::string group_name;
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};  // torch's default group timeout
+  std::string algorithm = "auto";   // auto (XIRANG_ALGO decides), ring, direct, two_level
+  std::vector<int> ring;            // ring order (group ranks); empty = 0..size-1
+  std::vector<std::string> hosts;   // host label per group rank (may be empty)
+  std::vector<std::string> racks;   // rack label per group rank (may be empty)
+  int global_rank = 0;
+  std::string stats_dir;            // XIRANG_STATS_DIR ("" = off)
+  std::string run_id;
+  bool elastic = false;             // XIRANG_ELASTIC / Options(elastic=True)
+  double heartbeat_s = 0;           // XIRANG_HEARTBEAT_S / Options(heartbeat_s); elastic mode: must be > 0
+  bool join = false;                // XIRANG_JOIN: a spare taking a dead rank's place
+  // This creation's generation (core/generation.h): every store key of the group lives under
+  // generation::keyNamespace(generation). Empty: the constructor runs the handshake itself.
+  std::string generation;
+};
+
+// The algorithms' configuration from the knobs (XIRANG_SEGMENT_BYTES, XIRANG_SMALL_BYTES,
+// XIRANG_ALGO unless cfg.algorithm chooses) and the labels: ring order and the two-level plan
+// (the link is the caller's to set). `algo`: the algorithm's name, for the log. Throws c10::Error
+// for a bad knob value or a ring order of the wrong size.
+Comm configure(int rank, int size, const XirangConfig& cfg, std::string& algo);
+
+}  // namespace xirang

@@ -1,0 +1,36 @@
+#include "backend/device_engine.h"
+
+#ifdef XIRANG_WITH_CUDA
+#include "cuda/cuda_stage.h"
+#endif
+
+namespace xirang {
+
+std::vector<at::Tensor> OpStage::bind(const std::vector<at::Tensor>& ts, bool copy_in, bool copy_out) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(bind(t, copy_in, copy_out));
+  return out;
+}
+
+std::shared_ptr<OpStage> hostStage() {
+  static const std::shared_ptr<OpStage> stage = std::make_shared<OpStage>();
+  return stage;
+}
+
+DeviceEngines::DeviceEngines() {
+#ifdef XIRANG_WITH_CUDA
+  cuda_ = std::make_unique<cudastage::Engine>();  // makes no CUDA call before its first op
+#endif
+}
+
+DeviceEngines::~DeviceEngines() = default;
+
+std::shared_ptr<OpStage> DeviceEngines::stageFor(const std::vector<at::Tensor>& tensors) {
+  if (cuda_)
+    for (const auto& t : tensors)
+      if (t.defined() && t.is_cuda()) return cuda_->stage();
+  return hostStage();
+}
+
+}  // namespace xirang

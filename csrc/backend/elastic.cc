@@ -1,0 +1,508 @@
+#include "backend/elastic.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "backend/tensors.h"
+#include "core/env.h"
+
+namespace xirang {
+
+namespace {
+// A failure report starting with this fails every rank instead of starting an agreement.
+constexpr const char* kFatal = "fatal: ";
+}  // namespace
+
+Membership::Membership(int rank, int size, const XirangConfig& cfg, std::shared_ptr<transport::Store> store,
+                       std::string key_ns, Comm comm, Callbacks cb)
+    : rank_(rank),
+      size_(size),
+      cfg_(cfg),
+      store_(std::move(store)),
+      key_ns_(std::move(key_ns)),
+      prefix_(key_ns_ + "/elastic"),
+      ifname_(env::get("XIRANG_SOCKET_IFNAME")),
+      handshake_timeout_(env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS")),
+      cb_(std::move(cb)),
+      comm_(std::move(comm)) {
+  const std::string key_file = env::get("XIRANG_AUTH_KEY_FILE");
+  if (!key_file.empty()) {
+    try {
+      auth_key_ = transport::loadKeyFile(key_file);
+    } catch (const std::exception& e) {
+      XR_CHECK(rank_, false, e.what());
+    }
+  }
+  try {
+    if (!cfg_.join)  // a spare gets the transport of the epoch that admits it (join)
+      tcp_ = std::make_shared<transport::Tcp>(rank_, size_, store_, transportOptions(key_ns_),
+                                              Clock::now() + cfg_.timeout);
+  } catch (const std::exception& e) {
+    XR_CHECK(rank_, false, "creating group '", cfg_.group_name, "' failed: ", e.what());
+  }
+  comm_.link = tcp_.get();
+  comm_.rank = rank_;
+  for (int r = 0; r < size_; ++r) live_.push_back(r);
+  info_.live = live_;
+  info_.ring = comm_.ring;
+}
+
+Membership::~Membership() { stop(); }
+
+transport::TcpOptions Membership::transportOptions(const std::string& key_prefix) const {
+  transport::TcpOptions o;
+  o.ifname = ifname_;
+  o.handshake_timeout = handshake_timeout_;
+  o.key_prefix = key_prefix;
+  o.key = auth_key_;
+  return o;
+}
+
+uint64_t Membership::start() {
+  if (!cfg_.elastic) return 0;
+  TORCH_CHECK(cfg_.heartbeat_s > 0, "xirang: XIRANG_HEARTBEAT_S must be > 0, got ", cfg_.heartbeat_s);
+  if (size_ <= 1) return 0;
+  try {
+    store_->add(elastic::heartbeatKey(prefix_, rank_), 1);
+  } catch (const std::exception& e) {
+    XR_CHECK(rank_, false, "elastic mode needs a store with add/compareSet: ", e.what());
+  }
+  uint64_t seq = 0;
+  if (cfg_.join) {
+    try {
+      seq = join();
+    } catch (const c10::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      XR_CHECK(rank_, false, "joining group '", cfg_.group_name, "' failed: ", e.what());
+    }
+  }
+  hb_thread_ = std::thread([this] { heartbeatLoop(); });
+  return seq;
+}
+
+void Membership::stop() {
+  stopHeartbeat();
+  hb_cv_.notify_all();
+  if (hb_thread_.joinable() && hb_thread_.get_id() != std::this_thread::get_id()) hb_thread_.join();
+}
+
+void Membership::stopHeartbeat() {
+  std::lock_guard<std::mutex> g(hb_mu_);
+  hb_stop_ = true;
+}
+
+void Membership::close() {
+  std::shared_ptr<transport::Tcp> tcp;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    tcp = tcp_;
+  }
+  if (tcp) {
+    tcp->leave();  // a peer still waiting for this rank's connection fails now, not at its timeout
+    tcp->close();
+  }
+}
+
+std::string Membership::address() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return tcp_ ? tcp_->address() : "";
+}
+
+// Not under mu_: this may run on the caller's thread (point-to-point) while the transport calls
+// back into the group.
+void Membership::abort(const std::string& why) {
+  std::shared_ptr<transport::Tcp> tcp;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    tcp = tcp_;
+  }
+  if (tcp) tcp->abort(why);
+}
+
+std::string Membership::text(const elastic::Decision* d) const {
+  std::ostringstream o;
+  const auto& live = d ? d->live : live_;
+  o << "epoch " << (d ? d->epoch : epoch_.load()) << ", live ranks [";
+  for (size_t i = 0; i < live.size(); ++i) o << (i ? " " : "") << live[i];
+  o << "] of " << size_;
+  return o.str();
+}
+
+MembershipChanged Membership::unavailable(const std::string& desc) const {
+  return MembershipChanged(desc + " is not available after a membership change (" + text() +
+                           "): only allreduce, broadcast, barrier and the hook's operation run on the shrunken ring; "
+                           "create a new group over the live ranks for the others");
+}
+
+bool Membership::live(int rank) const { return std::find(comm_.ring.begin(), comm_.ring.end(), rank) != comm_.ring.end(); }
+
+bool Membership::changedSince(uint64_t epoch) const {
+  return cfg_.elastic && (epoch_.load() != epoch || signal_.load());
+}
+
+transport::P2P& Membership::p2p(const std::string& desc) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (cfg_.elastic && static_cast<int>(live_.size()) < size_) throw unavailable(desc);
+  return tcp_->p2p();
+}
+
+MembershipInfo Membership::info() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return info_;
+}
+
+void Membership::setCallback(std::function<void()> fn) {
+  std::lock_guard<std::mutex> g(mu_);
+  callback_ = std::move(fn);
+}
+
+// ---------------------------------------------------------------- running an operation
+
+void Membership::run(OpCtx& ctx, const OpFn& fn, std::chrono::milliseconds timeout, const SaveFn& save,
+                     const std::string& name, const std::string& what) {
+  const uint64_t seq = ctx.seq;
+  auto desc = [&] { return rankPrefix(rank_) + what; };
+  if (signal_.load()) recover("a failure was reported before " + name + " started");
+  auto voided = [&] {
+    for (const auto& [done, fence] : void_ranges_)
+      if (seq > done && seq <= fence) return true;
+    return false;
+  };
+  auto changed = [&](const std::string& why) {
+    return MembershipChanged(desc() + " was interrupted by a membership change (" + why + ", now " + text() +
+                             "); its result is void on every survivor");
+  };
+  if (seq != 0 && voided() && !save) throw changed("it was issued before the change");
+  if (static_cast<int>(live_.size()) < size_) {
+    const bool ok = ctx.op == transport::OpKind::Allreduce || ctx.op == transport::OpKind::AllreduceEF ||
+                    ctx.op == transport::OpKind::Broadcast || ctx.op == transport::OpKind::Barrier ||
+                    ctx.op == transport::OpKind::Admit;
+    if (!ok) throw unavailable(desc());
+  }
+  std::function<void()> restore = save ? save() : nullptr;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      if (attempt > 0 && restore) restore();
+      ctx.deadline = Clock::now() + timeout;
+      fn(ctx);
+      if (seq == 0) return;  // point-to-point: no completion round
+      done_seq_ = seq;       // this rank holds the result
+      if (ctx.op != transport::OpKind::Admit) ack(comm_, ctx);  // admission: the store is its agreement
+      return;
+    } catch (const transport::MismatchError&) {
+      throw;  // the program's bug, not a lost rank: fail the group (every rank gets the error)
+    } catch (const transport::TransportError& e) {
+      std::string why = e.what();
+      elastic::Decision d = recover("rank " + std::to_string(rank_) + ", " + what + ": " + why);
+      if (seq != 0 && seq <= d.done_seq) return;  // every survivor holds the result
+      if (seq == 0 || !save)
+        throw changed("epoch " + std::to_string(d.epoch - 1) + " -> " + std::to_string(d.epoch) + ": " +
+                      info_.last_failure);
+      env::log(env::Level::Info, rank_, "retrying " + what + " on the new ring");
+    }
+  }
+}
+
+void Membership::recoverIdle() {
+  try {
+    recover("rank " + std::to_string(rank_) + " was idle");
+  } catch (const std::exception& e) {
+    cb_.poison(rankPrefix(rank_) + e.what());
+  }
+}
+
+void Membership::failGroup(const std::string& msg) {
+  if (!cfg_.elastic) return;
+  // The survivors would otherwise drop this rank and go on; a disagreement about the collective
+  // is a bug every rank must hear about.
+  try {
+    elastic::reportFailure(*store_, prefix_, epoch_.load(), std::string(kFatal) + msg);
+  } catch (...) {
+  }
+}
+
+// ---------------------------------------------------------------- epochs
+
+// Switches to the epoch `d` describes: a fresh listener and connections under the epoch's store
+// namespace and secret `key`, only d.live admitted; the ring keeps its (topology) order over
+// d.live. Runs on the communication thread (or in start() of a joining rank), then calls the
+// membership callback.
+void Membership::installEpoch(const elastic::Decision& d, const transport::Key128& key, int source,
+                              const std::string& reason, double agreement_s, Clock::time_point t0) {
+  transport::TcpOptions topts = transportOptions(key_ns_ + "/e" + std::to_string(d.epoch));
+  topts.members = d.live;
+  topts.key = key;
+  // Every member of the epoch can compute its group id (rank 0 may be gone): from its key.
+  topts.group_id = transport::siphash24(key, "xirang-epoch-group", 18);
+  auto fresh = std::make_shared<transport::Tcp>(rank_, size_, store_, topts, Clock::now() + cfg_.timeout);
+  std::vector<int> base = cfg_.ring;
+  if (base.empty())
+    for (int r = 0; r < size_; ++r) base.push_back(r);
+  std::vector<int> ring;
+  for (int r : base)
+    if (std::find(d.live.begin(), d.live.end(), r) != d.live.end()) ring.push_back(r);
+  std::shared_ptr<transport::Tcp> old;
+  std::function<void()> cb;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    old = std::move(tcp_);
+    tcp_ = std::move(fresh);
+    comm_.link = tcp_.get();
+    comm_.ring = ring;
+    comm_.local_group.clear();  // the two-level plan assumed the old hosts: the ring from now on
+    comm_.cross_group.clear();
+    live_ = d.live;
+    if (d.fence > d.done_seq) void_ranges_.push_back({d.done_seq, d.fence});
+    info_.epoch = d.epoch;
+    info_.live = d.live;
+    info_.ring = ring;
+    info_.recoveries++;
+    info_.source = source;
+    if (source < 0) {  // a failure (a growth keeps the last failure's figures)
+      info_.last_failure = reason;
+      info_.last_agreement_s = agreement_s;
+      info_.last_recovery_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    epoch_.store(d.epoch);
+    signal_ = false;
+    cb = callback_;
+  }
+  if (old) old->close();
+  if (cb) cb();
+}
+
+// The group key of elastic epoch `epoch`: with XIRANG_AUTH_KEY_FILE derived from the file's key
+// (so a spare that holds the file can compute it and nothing secret goes to the store), else
+// `otherwise` (derived from the previous epoch's key, or a random one the store carries).
+transport::Key128 Membership::epochKey(uint64_t epoch, const transport::Key128& otherwise) const {
+  return auth_key_ ? transport::deriveKey(*auth_key_, epoch) : otherwise;
+}
+
+elastic::Decision Membership::recover(const std::string& why) {
+  const auto t0 = Clock::now();
+  const uint64_t epoch = epoch_.load();
+  std::string reason = elastic::reportFailure(*store_, prefix_, epoch, why);
+  if (reason.rfind(kFatal, 0) == 0) {  // a rank failed the group on purpose (failGroup)
+    std::string msg = rankPrefix(rank_) + "the group failed: " + reason.substr(std::strlen(kFatal));
+    cb_.poison(msg);
+    throw transport::TransportError(msg, -1);
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (tcp_) tcp_->interrupt("membership change: " + reason);
+  }
+  env::log(env::Level::Warn, rank_, "epoch " + std::to_string(epoch) + " ended (" + reason + "); agreeing on the survivors");
+  elastic::Report mine{done_seq_, issued_seq_.load()};
+  elastic::HeartbeatWatch watch(*store_, prefix_, std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000)));
+  {
+    std::lock_guard<std::mutex> g(watch_mu_);
+    if (hb_watch_) watch.adopt(*hb_watch_);  // a neighbour already silent is stale at once
+  }
+  elastic::Decision d = elastic::agree(*store_, prefix_, epoch, live_, rank_, mine, watch, Clock::now() + cfg_.timeout);
+  const auto t_agreed = Clock::now();
+  if (std::find(d.live.begin(), d.live.end(), rank_) == d.live.end()) {
+    std::string msg = rankPrefix(rank_) + "declared dead by the survivors of epoch " +
+                      std::to_string(epoch) + " (" + text(&d) + "); this process must not take part in the group again";
+    cb_.poison(msg);
+    throw transport::TransportError(msg, rank_);
+  }
+  transport::Key128 key;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    key = epochKey(d.epoch, transport::deriveKey(tcp_->key(), d.epoch));
+  }
+  installEpoch(d, key, /*source=*/-1, reason, std::chrono::duration<double>(t_agreed - t0).count(), t0);
+  env::log(env::Level::Warn, rank_,
+           "rebuilt the ring: " + text(&d) + ", ops up to #" + std::to_string(d.done_seq) + " kept, #" +
+               std::to_string(d.done_seq + 1) + "-#" + std::to_string(d.fence) + " void; recovery " +
+               std::to_string(info_.last_recovery_s) + " s");
+  return d;
+}
+
+std::string Membership::waitKey(const std::string& key, transport::Deadline deadline) {
+  const std::string fail = elastic::failKey(prefix_, epoch_.load());
+  while (!store_->check(key)) {
+    if (store_->check(fail))
+      throw transport::TransportError("a failure was reported while waiting for " + key + ": " +
+                                          store_->get(fail, Clock::now() + std::chrono::seconds(5)),
+                                      -1);
+    if (Clock::now() >= deadline) throw transport::TimeoutError("timed out waiting for store key " + key, -1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return store_->get(key, deadline);
+}
+
+// ---------------------------------------------------------------- spares
+
+void Membership::admit(OpCtx& ctx, int64_t expect, double wait_s) {
+  if (size_ <= 1) return;
+  const int lowest = live_.front();
+  const std::string key = elastic::admitKey(prefix_, ctx.seq);
+  if (rank_ == lowest) {
+    const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
+    std::vector<std::pair<int, std::string>> joiners;  // (rank, nonce)
+    while (true) {
+      joiners.clear();
+      for (int r = 0; r < size_; ++r) {
+        const std::string jk = elastic::joinKey(prefix_, r);
+        if (std::find(live_.begin(), live_.end(), r) != live_.end() || !store_->check(jk)) continue;
+        std::string nonce = store_->get(jk, ctx.deadline);
+        if (nonce != "taken") joiners.push_back({r, nonce});
+      }
+      if (static_cast<int64_t>(joiners.size()) >= expect) break;
+      if (Clock::now() >= until) {
+        joiners.clear();  // fewer than `expect` waiting: admit none this time
+        break;
+      }
+      if (store_->check(elastic::failKey(prefix_, epoch_.load())))
+        throw transport::TransportError("a failure was reported during the admission", -1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    elastic::Decision d;
+    d.epoch = joiners.empty() ? epoch_.load() : epoch_.load() + 1;
+    d.live = live_;
+    for (const auto& j : joiners) d.live.push_back(j.first);
+    std::sort(d.live.begin(), d.live.end());
+    d.done_seq = d.fence = ctx.seq;
+    if (!joiners.empty() && !auth_key_)  // with XIRANG_AUTH_KEY_FILE the key is derived, not stored
+      store_->set(elastic::secretKey(prefix_, d.epoch), transport::keyToHex(transport::randomKey()));
+    store_->compareSet(key, "", d.encode());
+    for (const auto& [r, nonce] : joiners) {
+      store_->set(elastic::joinedKey(prefix_, r), nonce + " " + std::to_string(rank_) + " " + d.encode());
+      store_->compareSet(elastic::joinKey(prefix_, r), nonce, "taken");
+    }
+  }
+  elastic::Decision d = elastic::Decision::decode(waitKey(key, ctx.deadline));
+  if (d.epoch == epoch_.load()) return;  // nobody joined
+  transport::Key128 k = auth_key_ ? epochKey(d.epoch, {})
+                                  : transport::keyFromHex(waitKey(elastic::secretKey(prefix_, d.epoch), ctx.deadline));
+  installEpoch(d, k, lowest, "spares joined (" + text(&d) + ")", 0.0, Clock::now());
+  env::log(env::Level::Warn, rank_,
+           "the ring grew back: " + text(&d) + "; training state source: rank " + std::to_string(lowest));
+}
+
+// XIRANG_JOIN: announces this spare and blocks until the live ranks admit it (group timeout).
+uint64_t Membership::join() {
+  const auto t0 = Clock::now();
+  const auto deadline = t0 + cfg_.timeout;
+  const std::string nonce = transport::keyToHex(transport::randomKey()).substr(0, 16);
+  store_->set(elastic::joinKey(prefix_, rank_), nonce);
+  env::log(env::Level::Warn, rank_,
+           "spare waiting to take rank " + std::to_string(rank_) + "'s place (admitted at a step boundary)");
+  const std::string jk = elastic::joinedKey(prefix_, rank_);
+  std::string joined;
+  while (true) {
+    if (store_->check(jk)) {
+      joined = store_->get(jk, deadline);
+      if (joined.compare(0, nonce.size() + 1, nonce + " ") == 0) break;
+    }
+    XR_CHECK(rank_, Clock::now() < deadline, "the spare was not admitted within the group timeout (",
+             cfg_.timeout.count(), " ms): the live ranks admit spares at step boundaries with xirang.admit_joiners()");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::istringstream in(joined.substr(nonce.size() + 1));
+  int source = -1;
+  in >> source;
+  std::string rest;
+  std::getline(in, rest);
+  elastic::Decision d = elastic::Decision::decode(rest.substr(rest.find_first_not_of(' ')));
+  transport::Key128 key = auth_key_ ? epochKey(d.epoch, {})
+                                    : transport::keyFromHex(store_->get(elastic::secretKey(prefix_, d.epoch), deadline));
+  // The survivors' admission op was #fence: this rank's next op is the next one.
+  issued_seq_.store(d.fence);
+  done_seq_ = d.fence;
+  store_->add(elastic::heartbeatKey(prefix_, rank_), 1);
+  installEpoch(d, key, source, "joined as a spare", 0.0, t0);
+  env::log(env::Level::Warn, rank_, "joined: " + text(&d) + "; training state source: rank " + std::to_string(source));
+  return d.fence;
+}
+
+// ---------------------------------------------------------------- heartbeats
+
+// Advances this rank's heartbeat counter, watches the ring neighbours' counters, and turns a
+// failure recorded for the current epoch into an interrupt of the transport (so a running
+// exchange ends now) and a wake-up of the communication thread (so an idle rank joins the
+// agreement).
+void Membership::heartbeatLoop() {
+  const auto hb = std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000));
+  const auto tick = std::max(std::chrono::milliseconds(20), hb / 5);
+  auto watch = std::make_unique<elastic::HeartbeatWatch>(*store_, prefix_, hb);
+  {
+    std::lock_guard<std::mutex> g(watch_mu_);
+    hb_watch_ = watch.get();
+  }
+  struct Unpublish {
+    Membership* self;
+    ~Unpublish() {
+      std::lock_guard<std::mutex> g(self->watch_mu_);
+      self->hb_watch_ = nullptr;
+    }
+  } unpublish{this};
+  uint64_t watched_epoch = 0;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> g(hb_mu_);
+      if (hb_cv_.wait_for(g, tick, [&] { return hb_stop_; })) return;
+    }
+    try {
+      store_->add(elastic::heartbeatKey(prefix_, rank_), 1);
+      const uint64_t epoch = epoch_.load();
+      if (epoch != watched_epoch) {  // new ring: new neighbours, fresh clocks
+        std::lock_guard<std::mutex> g(watch_mu_);
+        watch = std::make_unique<elastic::HeartbeatWatch>(*store_, prefix_, hb);
+        hb_watch_ = watch.get();
+        watched_epoch = epoch;
+      }
+      if (signal_.load()) continue;
+      std::vector<int> neighbours;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        const int n = static_cast<int>(comm_.ring.size());
+        for (int i = 0; i < n && n > 1; ++i) {
+          if (comm_.ring[i] != rank_) continue;
+          neighbours.push_back(comm_.ring[(i + 1) % n]);
+          if (n > 2) neighbours.push_back(comm_.ring[(i + n - 1) % n]);
+        }
+      }
+      for (int p : neighbours) {
+        bool stale;
+        {
+          std::lock_guard<std::mutex> g(watch_mu_);
+          stale = watch->stale(p);
+        }
+        if (stale) {
+          elastic::reportFailure(*store_, prefix_, epoch,
+                                 "rank " + std::to_string(p) + " missed its heartbeats for " +
+                                     std::to_string(watch->silentFor(p)) + " s (XIRANG_HEARTBEAT_S=" +
+                                     std::to_string(cfg_.heartbeat_s) + ")");
+        }
+      }
+      if (store_->check(elastic::failKey(prefix_, epoch))) {
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          if (epoch_.load() != epoch) continue;
+          signal_ = true;
+          if (tcp_) tcp_->interrupt("membership change reported in the store");
+        }
+        cb_.wake();
+      }
+    } catch (const std::exception& e) {
+      std::string msg = rankPrefix(rank_) + "elastic heartbeat: the store is unreachable (" +
+                        e.what() + "); elastic mode needs a store that outlives every failed node";
+      env::log(env::Level::Warn, rank_, msg);
+      cb_.poison(msg);
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (tcp_) tcp_->interrupt(msg);
+      }
+      cb_.wake();
+      return;
+    }
+  }
+}
+
+}  // namespace xirang

@@ -1,0 +1,181 @@
+// The group's membership: the ranks that take part, the ring over them and the transport that
+// connects them, one epoch at a time. A group that is not elastic has one epoch for its life.
+//
+// Elastic mode (XIRANG_ELASTIC, Options(elastic=True)): a heartbeat thread advances this rank's
+// counter in the store and watches its ring neighbours'; when a rank is lost (its heartbeat goes
+// silent, or an operation's transport fails) the survivors agree through the store on the next
+// epoch's live ranks and on which operations in flight completed (core/membership.h), and every
+// survivor rebuilds the transport and the ring without it. Spares (XIRANG_JOIN) take dead ranks'
+// places at a step boundary (admit()). Operations whose result is void raise MembershipChanged.
+//
+// Membership owns its state and knows nothing of the op queue: the communication thread calls
+// run() for every operation, and the callbacks it is handed record the group's first error and
+// wake that thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "backend/config.h"
+#include "core/collectives.h"
+#include "core/membership.h"
+#include "core/transport/tcp.h"
+
+namespace xirang {
+
+// Raised (Python: xirang.MembershipChanged, a RuntimeError) by every operation that was in
+// flight when an elastic group lost a rank: its result is void on every survivor.
+class MembershipChanged : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// What an elastic group's membership is now (ProcessGroupXirang::membership()).
+struct MembershipInfo {
+  uint64_t epoch = 0;
+  std::vector<int> live;         // group ranks, ascending
+  std::vector<int> ring;         // live ranks in ring order
+  uint64_t recoveries = 0;
+  double last_recovery_s = 0;    // failure noticed -> new ring ready, seconds
+  double last_agreement_s = 0;   // of which the agreement through the store
+  std::string last_failure;      // the reason recorded for the last change
+  int source = -1;               // after spares joined: the rank to copy training state from
+};
+
+// An operation's body, on the communication thread.
+using OpFn = std::function<void(OpCtx&)>;
+// Elastic mode: snapshots an operation's inputs and returns their restore; an operation that has
+// one is retried on the new ring instead of raising MembershipChanged (the hook's op).
+using SaveFn = std::function<std::function<void()>()>;
+
+class Membership {
+ public:
+  struct Callbacks {
+    std::function<void(const std::string&)> poison;  // records the group's first error
+    std::function<void()> wake;                      // wakes the communication thread
+  };
+
+  // Reads the transport's knobs (XIRANG_SOCKET_IFNAME, XIRANG_HANDSHAKE_TIMEOUT_MS,
+  // XIRANG_AUTH_KEY_FILE) and, unless this process is a spare (cfg.join), opens the first
+  // epoch's transport. `comm`: the algorithms' configuration (ring order, sizes, two-level
+  // plan). Throws c10::Error naming the rank and the group.
+  Membership(int rank, int size, const XirangConfig& cfg, std::shared_ptr<transport::Store> store,
+             std::string key_ns, Comm comm, Callbacks cb);
+  ~Membership();
+  Membership(const Membership&) = delete;
+  Membership& operator=(const Membership&) = delete;
+
+  // Elastic mode: registers this rank's heartbeat, waits to be admitted (a spare), starts the
+  // heartbeat thread. Returns the sequence number of the group's last operation before this
+  // rank's first (a spare starts after the admission op; otherwise 0). Throws c10::Error.
+  uint64_t start();
+  // Stops the heartbeat thread; close() then leaves the group and closes the transport.
+  void stop();
+  void close();
+  // A poisoned rank stops its heartbeat, so that an elastic group's survivors drop it.
+  void stopHeartbeat();
+
+  // The algorithms' view (communication thread only).
+  Comm& comm() { return comm_; }
+  std::string address() const;
+  // Fails every connection: abort frames to the peers, the store's abort note.
+  void abort(const std::string& why);
+
+  // Whether a failure was reported and this rank has not joined the agreement yet; clearSignal()
+  // drops it (a poisoned rank takes no part).
+  bool signalled() const { return signal_.load(); }
+  void clearSignal() { signal_ = false; }
+  // The caller issued collective number `seq`.
+  void issued(uint64_t seq) { issued_seq_.store(seq); }
+
+  // Whether elastic mode applies (elastic and more than one rank): operations go through run().
+  bool active() const { return cfg_.elastic && size_ > 1; }
+  // Runs one operation in elastic mode (communication thread): `fn` under a deadline of
+  // `timeout` from now, then the completion round; on a lost rank the recovery and either the
+  // retry (with `save`) or MembershipChanged. name: the op's name; what: its description
+  // ("all_reduce (op #3, ...)").
+  void run(OpCtx& ctx, const OpFn& fn, std::chrono::milliseconds timeout, const SaveFn& save,
+           const std::string& name, const std::string& what);
+  // A failure reported while nothing is queued: joins the agreement now, so the survivors do not
+  // wait for this rank's next operation (poisons the group if that fails).
+  void recoverIdle();
+  // Elastic mode: a failure every rank must hear about (a mismatch: the program's bug) instead
+  // of one the survivors recover from.
+  void failGroup(const std::string& msg);
+  // The admission op's body (communication thread): see ProcessGroupXirang::admitJoiners.
+  void admit(OpCtx& ctx, int64_t expect, double wait_s);
+
+  // The transport's point-to-point engine. Throws MembershipChanged on a shrunken ring, or what
+  // the transport throws.
+  transport::P2P& p2p(const std::string& desc);
+  // Whether an operation started in `epoch` was overtaken by a membership change.
+  bool changedSince(uint64_t epoch) const;
+  uint64_t epoch() const { return epoch_.load(); }
+  // Whether `rank` is on the current ring (communication thread).
+  bool live(int rank) const;
+  // "epoch E, live ranks [...] of N".
+  std::string text() const { return text(nullptr); }
+
+  MembershipInfo info() const;
+  // fn runs on the communication thread after every rebuild (before the next op runs).
+  void setCallback(std::function<void()> fn);
+
+ private:
+  std::string text(const elastic::Decision* d) const;
+  MembershipChanged unavailable(const std::string& desc) const;
+  transport::TcpOptions transportOptions(const std::string& key_prefix) const;
+  // Agrees with the survivors on the next epoch and rebuilds the transport and ring. Throws
+  // TransportError if this rank was declared dead or the store is unreachable.
+  elastic::Decision recover(const std::string& why);
+  void installEpoch(const elastic::Decision& d, const transport::Key128& key, int source, const std::string& reason,
+                    double agreement_s, Clock::time_point t0);
+  uint64_t join();
+  // Polls `key` until it exists (returns its value); throws TransportError if a failure is
+  // reported for the current epoch meanwhile, TimeoutError after `deadline`.
+  std::string waitKey(const std::string& key, transport::Deadline deadline);
+  void heartbeatLoop();
+  transport::Key128 epochKey(uint64_t epoch, const transport::Key128& otherwise) const;
+
+  const int rank_, size_;
+  const XirangConfig& cfg_;
+  std::shared_ptr<transport::Store> store_;
+  const std::string key_ns_;  // generation::keyNamespace(cfg.generation): the transport's keys
+  const std::string prefix_;  // key_ns_ + "/elastic": heartbeats, agreements (core/membership.h)
+  std::string ifname_;
+  std::chrono::milliseconds handshake_timeout_;
+  std::optional<transport::Key128> auth_key_;  // XIRANG_AUTH_KEY_FILE's key, if set
+  Callbacks cb_;
+
+  // tcp_/comm_'s ring/live_ change on the communication thread only, under mu_ (the heartbeat
+  // thread interrupts tcp_ and reads the ring under it).
+  mutable std::mutex mu_;
+  std::shared_ptr<transport::Tcp> tcp_;  // replaced per epoch
+  Comm comm_;
+  std::vector<int> live_;
+  std::vector<std::pair<uint64_t, uint64_t>> void_ranges_;  // (done_seq, fence] per decision
+  MembershipInfo info_;
+  std::function<void()> callback_;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<bool> signal_{false};
+  std::atomic<uint64_t> issued_seq_{0};
+  uint64_t done_seq_ = 0;  // communication thread
+
+  std::thread hb_thread_;
+  std::mutex hb_mu_;
+  std::condition_variable hb_cv_;
+  bool hb_stop_ = false;  // under hb_mu_
+  std::mutex watch_mu_;   // guards hb_watch_ (the heartbeat thread's view of its neighbours)
+  elastic::HeartbeatWatch* hb_watch_ = nullptr;
+};
+
+}  // namespace xirang

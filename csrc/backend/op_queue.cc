@@ -1,0 +1,175 @@
+#include "backend/op_queue.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <sstream>
+
+#include "backend/tensors.h"
+#include "core/env.h"
+
+namespace xirang {
+
+using transport::OpKind;
+
+OpQueue::OpQueue(int rank, const XirangConfig& cfg, Membership& membership, Records& records)
+    : rank_(rank), cfg_(cfg), membership_(membership), records_(records) {}
+
+OpQueue::~OpQueue() { stop(); }
+
+void OpQueue::start() {
+  thread_ = std::thread([this] { runLoop(); });
+}
+
+void OpQueue::stop() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+bool OpQueue::poison(const std::string& msg) {
+  bool first;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    first = poison_.empty() && !stop_;
+    if (poison_.empty()) poison_ = msg;
+  }
+  membership_.stopHeartbeat();
+  return first;
+}
+
+void OpQueue::checkPoisoned() {
+  std::lock_guard<std::mutex> g(mu_);
+  TORCH_CHECK(poison_.empty(), poison_);
+  XR_CHECK(rank_, !stop_, "process group '", cfg_.group_name, "' was shut down");
+}
+
+std::string OpQueue::error() {
+  std::lock_guard<std::mutex> g(mu_);
+  return poison_;
+}
+
+c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpStage> stage, OpFn fn) {
+  checkPoisoned();
+  auto work = c10::make_intrusive<WorkXirang>(rank_, spec.type, spec.title, std::move(spec.outputs),
+                                              std::optional<std::vector<at::Tensor>>(spec.inputs), stage);
+  if (stage->copies()) {
+    stage->queued();
+    fn = [stage, inner = std::move(fn)](OpCtx& ctx) {
+      stage->copyIn();
+      inner(ctx);
+      stage->copyOut();
+    };
+  }
+  Op op;
+  op.work = work;
+  op.fn = std::move(fn);
+  op.ctx.op = spec.kind;
+  op.ctx.dtype = spec.dtype;
+  op.ctx.reduce = spec.reduce;
+  op.ctx.numel = spec.numel;
+  op.ctx.seq = ++seq_;
+  membership_.issued(op.ctx.seq);
+  op.save = std::move(spec.save);
+  op.timeout = spec.timeout.count() < 0 ? cfg_.timeout : spec.timeout;
+  op.tls = at::ThreadLocalState();
+  op.rec.op = spec.kind == OpKind::AllreduceEF ? "allreduce_bf16_ef" : std::string(spec.title).substr(std::strlen("xirang:"));
+  if (records_.on()) {
+    op.enqueued = Clock::now();
+    op.rec.seq = op.ctx.seq;
+    op.rec.group_id = spec.group_id;
+    op.rec.label = std::move(spec.label);
+    op.rec.dtype = dtypeName(spec.dtype);
+    op.rec.numel = spec.numel;
+    op.rec.t_enqueue = records_.since(op.enqueued);
+    op.rec.wait = std::make_shared<WaitClock>();
+    work->wait_clock_ = op.rec.wait;
+    op.rec_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - op.enqueued).count());
+  }
+  op.what = describe(op);
+  work->desc_ = rankPrefix(rank_) + op.what;
+  if (env::logLevel() >= env::Level::Trace) env::log(env::Level::Trace, rank_, "enqueue " + op.what);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    queue_.push_back(std::move(op));
+  }
+  cv_.notify_one();
+  return work;
+}
+
+std::string OpQueue::describe(const Op& op) const {
+  std::ostringstream s;
+  s << op.rec.op << " (op #" << op.ctx.seq << ", " << dtypeName(op.ctx.dtype) << ", " << op.ctx.numel << " elements";
+  if (op.ctx.reduce != ReduceOp::None) s << ", " << reduceOpName(op.ctx.reduce);
+  s << ", group '" << cfg_.group_name << "')";
+  return s.str();
+}
+
+std::exception_ptr OpQueue::run(Op& op, Phases* ph) {
+  try {
+    at::ThreadLocalStateGuard guard(op.tls);
+    op.ctx.phases = ph;
+    static const int64_t delay_ms = env::getInt("XIRANG_TEST_DELAY_MS");
+    if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    if (membership_.active()) {
+      membership_.run(op.ctx, op.fn, op.timeout, op.save, op.rec.op, op.what);
+    } else {
+      op.ctx.deadline = Clock::now() + op.timeout;
+      op.fn(op.ctx);
+    }
+    return nullptr;
+  } catch (const MembershipChanged& e) {
+    env::log(env::Level::Warn, rank_, e.what());
+    return std::current_exception();  // the group goes on: not a poison
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    // c10::Error's what() carries a C++ backtrace; keep the message.
+    if (auto* ce = dynamic_cast<const c10::Error*>(&e)) what = ce->msg();
+    std::string msg = rankPrefix(rank_) + op.what + " failed: " + what;
+    if (dynamic_cast<const transport::TimeoutError*>(&e)) msg += " (timeout " + std::to_string(op.timeout.count()) + " ms)";
+    if (dynamic_cast<const transport::MismatchError*>(&e)) membership_.failGroup(msg);
+    poison(msg);
+    env::log(env::Level::Warn, rank_, msg);
+    membership_.abort(msg);
+    return std::make_exception_ptr(std::runtime_error(msg));
+  }
+}
+
+void OpQueue::runLoop() {
+  while (true) {
+    Op op;
+    std::string first_error;
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      cv_.wait(g, [&] { return stop_ || !queue_.empty() || membership_.signalled(); });
+      if (!queue_.empty()) {
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      } else if (stop_) {
+        return;  // stopped and drained
+      } else if (!poison_.empty()) {
+        membership_.clearSignal();  // a poisoned rank takes no part in agreements
+        continue;
+      }
+      first_error = poison_;
+    }
+    if (!op.work) {
+      membership_.recoverIdle();
+      continue;
+    }
+    Clock::time_point start;
+    if (records_.on()) start = Clock::now();
+    Phases ph;
+    std::exception_ptr error = first_error.empty() ? run(op, records_.on() ? &ph : nullptr)
+                                                   : std::make_exception_ptr(std::runtime_error(first_error));
+    if (records_.on())
+      records_.finish(std::move(op.rec), ph, error == nullptr, op.ctx.op == OpKind::AllreduceEF ? 2 : 1, op.enqueued,
+                      start, op.rec_ns);
+    op.work->complete(error);
+  }
+}
+
+}  // namespace xirang

@@ -1,0 +1,113 @@
+// The op queue: every collective of a group runs on one communication thread, in the order the
+// caller issued them (every rank issues collectives in the same order, so the sequence number
+// matches them across ranks).
+//
+// Three phases per collective, like c10d's ProcessGroupGloo: (1) on the caller's thread the
+// entry point checks the inputs and enqueue() takes the next sequence number, builds the Work
+// and the record; (2) on the communication thread the op's body runs under the caller's
+// thread-local state and the op's deadline (Membership::run); (3) the Work completes (its
+// profiler range "xirang:<op>" ends) and the record is kept.
+//
+// Failure model (fail-fast): the first error in any operation (peer closed, mismatch, timeout)
+// poisons the group; it is sent to every connected peer as an abort frame and every later
+// operation raises it. Elastic mode's MembershipChanged does not poison: the group goes on.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ThreadLocalState.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include "backend/config.h"
+#include "backend/elastic.h"
+#include "backend/records.h"
+#include "backend/work.h"
+
+namespace xirang {
+
+// What an entry point hands to enqueue() besides the op's body.
+struct OpSpec {
+  c10d::OpType type{};
+  const char* title = nullptr;  // profiler range "xirang:<op>"; <op> is the op's name in messages and records
+  transport::OpKind kind{};
+  std::vector<at::Tensor> outputs{};  // the Work's result() and Future value
+  std::vector<at::Tensor> inputs{};
+  DType dtype = DType::Bytes;
+  ReduceOp reduce = ReduceOp::None;
+  uint64_t numel = 0;
+  std::chrono::milliseconds timeout = c10d::kUnsetTimeout;  // unset: the group's
+  int64_t group_id = -1;  // the hook's layer group
+  std::string label{};    // its layer names
+  SaveFn save{};          // elastic mode: retried on the new ring (Membership::run)
+};
+
+struct Op {
+  c10::intrusive_ptr<WorkXirang> work;
+  OpFn fn;
+  OpCtx ctx;
+  std::chrono::milliseconds timeout;
+  at::ThreadLocalState tls;
+  OpRecord rec;      // rec.op: the op's name, with or without records
+  std::string what;  // describe(): "<op> (op #seq, dtype, N elements[, reduce], group 'g')"
+  Clock::time_point enqueued;
+  uint64_t rec_ns = 0;  // the caller's share of building the record (Records::cost())
+  SaveFn save;
+};
+
+class OpQueue {
+ public:
+  OpQueue(int rank, const XirangConfig& cfg, Membership& membership, Records& records);
+  ~OpQueue();
+  OpQueue(const OpQueue&) = delete;
+  OpQueue& operator=(const OpQueue&) = delete;
+
+  void start();  // the communication thread
+  // Stops taking operations, runs those queued and joins the thread.
+  void stop();
+  void wake() { cv_.notify_all(); }
+
+  // Queues an operation (caller's thread): its stage binds the tensors of spec (the bound
+  // ones), fn runs on the communication thread. Throws c10::Error once the group is poisoned or
+  // shut down.
+  c10::intrusive_ptr<WorkXirang> enqueue(OpSpec spec, std::shared_ptr<OpStage> stage, OpFn fn);
+
+  // Records the group's first error (every later op raises it) and stops this rank's heartbeat.
+  // Returns whether it was the first one of a running group.
+  bool poison(const std::string& msg);
+  // Throws c10::Error once the group is poisoned or shut down.
+  void checkPoisoned();
+  // The group's first error ("" while there is none).
+  std::string error();
+
+  // Collectives issued so far (caller's thread); a spare starts after its admission op.
+  uint64_t seq() const { return seq_; }
+  void setSeq(uint64_t seq) { seq_ = seq; }
+
+ private:
+  std::string describe(const Op& op) const;
+  void runLoop();
+  // Runs `op` and returns its error (null: success).
+  std::exception_ptr run(Op& op, Phases* ph);
+
+  const int rank_;
+  const XirangConfig& cfg_;
+  Membership& membership_;
+  Records& records_;
+  uint64_t seq_ = 0;  // caller's thread(s) only
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Op> queue_;
+  bool stop_ = false;
+  std::string poison_;
+  std::thread thread_;
+};
+
+}  // namespace xirang
