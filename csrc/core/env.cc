@@ -20,6 +20,7 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_SMALL_BYTES", "65536", "messages up to this many bytes take the latency-optimal direct exchange instead of the ring"},
       {"XIRANG_SEND_THREAD_BYTES", "1048576", "a ring step that sends at least this many bytes to one peer while receiving pumps the send on a helper thread (0: never)"},
       {"XIRANG_CODEC", "auto", "codec path: auto, avx512bf16, avx2, scalar"},
+      {"XIRANG_NCCL_LIBRARY", "", "the NCCL library to dlopen (a path or file name) instead of searching: the copy already loaded by torch, torch's nvidia-nccl wheel, then the loader's path"},
       {"XIRANG_CUDA_TRANSPORT", "auto", "CUDA tensors: auto or host (pinned host staging + TCP); nccl is not implemented yet"},
       {"XIRANG_ALGO", "auto", "allreduce algorithm: auto, ring, direct, two_level"},
       {"XIRANG_RING_ORDER", "topology", "ring order: topology (rack, host, rank) or rank"},
