@@ -219,6 +219,17 @@ void NcclLink::callNccl(int result, const char* call, Deadline deadline) {
   }
 }
 
+void NcclLink::grouped(Deadline deadline, const std::function<void()>& calls) {
+  callNccl(nccl_.groupStart(), "ncclGroupStart", deadline);
+  try {
+    calls();
+  } catch (...) {
+    (void)nccl_.groupEnd();  // close this thread's group whatever failed inside it
+    throw;
+  }
+  callNccl(nccl_.groupEnd(), "ncclGroupEnd", deadline);
+}
+
 void NcclLink::waitIdle(Deadline deadline, const std::string& what) {
   callCuda(cuda_.eventRecord(done_, stream_), "cudaEventRecord");
   Backoff b;
@@ -264,12 +275,14 @@ void NcclLink::headerRound(std::vector<SendJob>& sends, std::vector<RecvJob>& re
     throw std::logic_error("xirang: NcclLink: more jobs than peers in one exchange");
   for (size_t j = 0; j < out.size(); ++j) encodeRecord(sends[out[j]].header, sends[out[j]].segs, hs + j * kRecordBytes);
   if (!out.empty()) callCuda(cuda_.memcpyAsync(ds, hs, out.size() * kRecordBytes, stream_), "cudaMemcpyAsync");
-  callNccl(nccl_.groupStart(), "ncclGroupStart", deadline);
-  for (size_t j = 0; j < out.size(); ++j)
-    callNccl(nccl_.send(ds + j * kRecordBytes, kRecordBytes, sends[out[j]].peer, comm_, stream_), "ncclSend", deadline);
-  for (size_t j = 0; j < in.size(); ++j)
-    callNccl(nccl_.recv(dr + j * kRecordBytes, kRecordBytes, recvs[in[j]].peer, comm_, stream_), "ncclRecv", deadline);
-  callNccl(nccl_.groupEnd(), "ncclGroupEnd", deadline);
+  grouped(deadline, [&] {
+    for (size_t j = 0; j < out.size(); ++j)
+      callNccl(nccl_.send(ds + j * kRecordBytes, kRecordBytes, sends[out[j]].peer, comm_, stream_), "ncclSend",
+               deadline);
+    for (size_t j = 0; j < in.size(); ++j)
+      callNccl(nccl_.recv(dr + j * kRecordBytes, kRecordBytes, recvs[in[j]].peer, comm_, stream_), "ncclRecv",
+               deadline);
+  });
   if (!in.empty()) callCuda(cuda_.memcpyAsync(hr, dr, in.size() * kRecordBytes, stream_), "cudaMemcpyAsync");
   std::string peers;
   for (size_t j : in) peers += (peers.empty() ? "" : ", ") + std::to_string(recvs[j].peer);
@@ -326,14 +339,14 @@ void NcclLink::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs
   for (const auto& j : recvs) groups = std::max(groups, j.segs.size());
   for (size_t g = 0; g < groups; ++g) {
     check();
-    callNccl(nccl_.groupStart(), "ncclGroupStart", deadline);
-    for (const auto& j : sends)
-      if (g < j.segs.size() && j.segs[g].bytes)
-        callNccl(nccl_.send(j.segs[g].data, j.segs[g].bytes, j.peer, comm_, stream_), "ncclSend", deadline);
-    for (const auto& j : recvs)
-      if (g < j.segs.size() && j.segs[g].bytes)
-        callNccl(nccl_.recv(j.segs[g].data, j.segs[g].bytes, j.peer, comm_, stream_), "ncclRecv", deadline);
-    callNccl(nccl_.groupEnd(), "ncclGroupEnd", deadline);
+    grouped(deadline, [&] {
+      for (const auto& j : sends)
+        if (g < j.segs.size() && j.segs[g].bytes)
+          callNccl(nccl_.send(j.segs[g].data, j.segs[g].bytes, j.peer, comm_, stream_), "ncclSend", deadline);
+      for (const auto& j : recvs)
+        if (g < j.segs.size() && j.segs[g].bytes)
+          callNccl(nccl_.recv(j.segs[g].data, j.segs[g].bytes, j.peer, comm_, stream_), "ncclRecv", deadline);
+    });
     for (auto& j : recvs)
       if (g < j.segs.size() && j.on_segment) j.on_segment(g);
   }

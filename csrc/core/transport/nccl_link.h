@@ -42,6 +42,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -99,6 +100,8 @@ class NcclLink : public Link {
   void callNccl(int result, const char* call, Deadline deadline);
   void callCuda(int result, const char* call);
   void waitIdle(Deadline deadline, const std::string& what);
+  // ncclGroupStart, calls(), ncclGroupEnd (also when calls() throws).
+  void grouped(Deadline deadline, const std::function<void()>& calls);
   void headerRound(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline);
 
   device::NcclApi& nccl_;
