@@ -161,7 +161,8 @@ else:
 setup(
     version=version,
     package_dir={"": "python"},
-    packages=["xirang"],
+    packages=["xirang", "xirang.hooks", "xirang.report", "xirang.sim"],
+    package_data={"xirang.report": ["dashboard.css", "dashboard.js"]},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Elastic mode (#8): how long the survivors take to go on after a rank (or a host) dies.
+"""Elastic mode: how long the survivors take to go on after a rank (or a host) dies.
 
     python3 benchmarks/elastic.py                      # loopback WS 2..8 x 3 trials, then the emulated cluster (~1.5 min)
     python3 benchmarks/elastic.py --ws 4,8 --trials 10 --size 16M --markdown --json /tmp/el.json
@@ -32,7 +32,7 @@ Columns (per trial the slowest survivor, then median / max over the trials):
 Where:
     loopback    every rank on 127.0.0.1 (2 shared cores here: read the absolute values with the load
                 average printed); the victim rotates over WS-1, WS//2 and 0 (rank 0 included)
-    cluster     tests/cluster/netns.py: 2 racks x 2 hosts (network namespaces, rack uplinks 200 Mbit/s
+    cluster     tests/cluster/netns: 2 racks x 2 hosts (network namespaces, rack uplinks 200 Mbit/s
                 with tc tbf, 1 ms one way across racks), 1 and 2 ranks per host, ranks placed round-robin
                 across racks; the victim is a whole host: every rank on it is SIGKILLed at once
                 (mode `kill`: a process crash, the host's kernel still closes the connections) or,

@@ -1,4 +1,4 @@
-"""Check xirang.sim against this machine and the emulated cluster (issue #9).
+"""Check xirang.sim against this machine and the emulated cluster.
 
 1. Calibrate on measured WS=2 xirang allreduce, 1-16 MiB float32 (in sample): alpha (per ring step)
    and beta (per byte of a ring chunk).
@@ -9,7 +9,7 @@
    --cores: len(--pin), else the CPUs this process may use = os.cpu_count() unrestricted).
    With P >= n the two models are the same. A third check leaves the machine's load out: the CPU
    seconds of all ranks per op, 2(n-1)(n a + S b), fitted on the same in-sample rows.
-3. Emulated cluster (tests/cluster/netns.py, benchmarks/topology.py): predict rank-order ring,
+3. Emulated cluster (tests/cluster/netns, benchmarks/topology.py): predict rank-order ring,
    topology ring, two-level and gloo with xirang.sim for that cluster (placement, rings, rack uplink
    rate, cross-rack latency; intra-host and intra-rack links: loopback/veth, i.e. part 1's alpha and
    CPU cost, all ranks sharing this machine's cores) and compare the predicted ordering of the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost of xirang's operation records (issue #7): is leaving them on cheap enough?
+"""Cost of xirang's operation records: is leaving them on cheap enough?
 
     python3 benchmarks/stats_overhead.py                    # WS 2, 1, 4, 16, 64 MiB, 11 reps
     python3 benchmarks/stats_overhead.py --ws 4 --sizes 1M,16M --reps 21 --json /tmp/so.json

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Topology benchmark on the emulated cluster (tests/cluster/netns.py): rank-order ring vs
+"""Topology benchmark on the emulated cluster (tests/cluster/netns): rank-order ring vs
 topology ring vs two-level vs gloo, allreduce 1-64 MiB and a DDP step, side by side in one run.
 
     sudo python3 benchmarks/topology.py                      # 2 racks x 2 hosts x 2 ranks, 200mbit uplinks
@@ -7,8 +7,8 @@ topology ring vs two-level vs gloo, allreduce 1-64 MiB and a DDP step, side by s
 
 Set-up (defaults): 2 racks x 2 hosts (network namespaces) x 2 ranks; each rack is a bridge,
 its uplink to the core bridge a veth pair shaped with tc tbf at --rate in both directions (queue
---queue, 5 ms: a shallow switch-port buffer, see netns.py), plus
---delay one way across racks (netem where the kernel has sch_netem, else netns.py's NFQUEUE delay
+--queue, 5 ms: a shallow switch-port buffer, see tests/cluster/netns), plus
+--delay one way across racks (netem where the kernel has sch_netem, else tests/cluster/netns's NFQUEUE delay
 line, delayq.py; the header says which, and the cross-rack ping RTT measured at set-up);
 intra-rack traffic is unlimited. Ranks are placed round-robin across racks (rank r on rack r % 2,
 host (r // 2) % 2), the placement a launcher ignorant of the topology may produce; rendezvous
@@ -300,14 +300,7 @@ def main() -> int:
     import netns
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--racks", type=int, default=2)
-    ap.add_argument("--hosts-per-rack", type=int, default=2)
-    ap.add_argument("--ranks-per-host", type=int, default=2)
-    ap.add_argument("--placement", default="roundrobin", choices=("roundrobin", "block"))
-    ap.add_argument("--rate", default="200mbit", help="rack uplink rate, each direction (tc tbf)")
-    ap.add_argument("--delay", default="1ms", help="one-way cross-rack latency (netem, else an "
-                    "NFQUEUE delay line; '' for none)")
-    ap.add_argument("--queue", default=netns.UPLINK_QUEUE, help="uplink queue, as tc tbf latency (tests/cluster/netns.py)")
+    netns.add_cluster_args(ap, ranks_per_host=2)
     ap.add_argument("--sizes", default="1M,4M,16M,64M")
     ap.add_argument("--reps", default="auto", help="repetitions per size: auto (3 below 16 MiB, 2 at "
                     "16 MiB, 1 above) or a number")

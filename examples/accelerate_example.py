@@ -17,7 +17,7 @@ torch's built-in hooks (an enum), and on CPU it picks the process-group backend 
    ``state = xirang.register_comm_hook(ddp_model, layers_per_group=8)``.
 
 Everything else (``accelerator.backward``, the prepared optimizer and dataloader) is unchanged.
-The model and data are those of examples/train.py (digits, 24 residual blocks of width 64).
+The model and data are those of examples/train.py (examples/tasks.py: digits, 24 residual blocks of width 64).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import DigitsData, digits_model  # noqa: E402  (examples/train.py)
+from tasks import DigitsData, digits_model  # noqa: E402  (examples/tasks.py)
 
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402

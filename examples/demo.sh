@@ -2,14 +2,14 @@
 # The xirang demo, on a fresh machine or an old one (idempotent):
 #
 #     bash examples/demo.sh                     # digits, 2 ranks, gloo vs xirang+bf16-ef, 300 steps
-#     bash examples/demo.sh --task text         # arguments go to examples/train.py (after --compare)
+#     bash examples/demo.sh --task text         # arguments go to benchmarks/train_compare.py
 #
 # Set-up (shared with tests/run.sh, in tests/setup_env.sh): uses `python3` if it can import torch,
 # else creates .venv/ with torch 2.13.0; installs numpy, scikit-learn, tqdm when missing; builds and
 # installs xirang with `pip install --no-build-isolation .` unless already installed from the same
-# sources. Then runs examples/train.py --compare under torchrun with $NPROC ranks (default 2), which
-# trains the gloo baseline and xirang with the bf16 error-feedback hook in turn, with the same seed,
-# and prints one side-by-side table and a JSON summary (also written to build/demo-summary.json).
+# sources. Then runs benchmarks/train_compare.py (over examples/train.py) under torchrun with $NPROC
+# ranks (default 2), which trains the gloo baseline and xirang with the bf16 error-feedback hook in
+# turn, with the same seed, and prints one side-by-side table and a JSON summary (also written to build/demo-summary.json).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -25,6 +25,6 @@ fi
 
 cd "$XIRANG_ROOT"
 nproc_per_node="${NPROC:-2}"
-echo "demo: $PY -m torch.distributed.run --nproc_per_node=$nproc_per_node examples/train.py --compare $*" >&2
+echo "demo: $PY -m torch.distributed.run --nproc_per_node=$nproc_per_node benchmarks/train_compare.py $*" >&2
 exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$nproc_per_node" \
-    examples/train.py --compare --summary build/demo-summary.json "$@"
+    benchmarks/train_compare.py --summary build/demo-summary.json "$@"

@@ -18,7 +18,7 @@ Two things to know:
   Lightning 2.6: ``DDPStrategy._register_ddp_hooks``); on CPU it silently drops the hook. The small
   subclass below registers it on every device. On GPUs the plain ``DDPStrategy`` does the same.
 
-The model and data are those of examples/train.py (digits, 24 residual blocks of width 64).
+The model and data are those of examples/train.py (examples/tasks.py: digits, 24 residual blocks of width 64).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import DigitsData, digits_model  # noqa: E402  (examples/train.py)
+from tasks import DigitsData, digits_model  # noqa: E402  (examples/tasks.py)
 
 try:
     import lightning.pytorch as pl
@@ -46,7 +46,7 @@ except ImportError:  # the older package name
 
 class HookOnEveryDeviceDDPStrategy(DDPStrategy):
     """DDPStrategy that registers ``ddp_comm_hook`` on CPU too (Lightning only does so on CUDA) and
-    averages integer tensors in float64 (xirang rejects AVG on integers, as issue #2 asks)."""
+    averages integer tensors in float64 (xirang rejects AVG on integers)."""
 
     def _register_ddp_hooks(self) -> None:
         if self.root_device.type == "cuda" or self._ddp_comm_hook is None:

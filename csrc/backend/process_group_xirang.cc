@@ -202,19 +202,27 @@ bool WorkXirang::wait(std::chrono::milliseconds timeout) {
 
 std::vector<at::Tensor> WorkXirang::result() { return outputs_; }
 
+// The Future first, then the Work (as gloo's finishWorkGloo): a caller woken by Work.wait() reads
+// get_future().value() at once (DDP's sparse buckets do), so the Future must be done by then.
+// A callback that throws (torch's own wrappers catch) must not leave the Work unfinished.
 void WorkXirang::complete(std::exception_ptr error) {
-  finish(error);
-  if (error) {
-    future_->setError(error);
-  } else {
+  try {
+    if (error) {
+      future_->setError(error);
+    } else {
 #ifdef XIRANG_WITH_CUDA
-    if (cuda_stage_) {
-      cuda_stage_->completeFuture(future_, c10::IValue(outputs_));  // with the side stream current
-      return;
-    }
+      if (cuda_stage_) {
+        cuda_stage_->completeFuture(future_, c10::IValue(outputs_));  // with the side stream current
+      } else
 #endif
-    future_->markCompleted(c10::IValue(outputs_));
+      {
+        future_->markCompleted(c10::IValue(outputs_));
+      }
+    }
+  } catch (const std::exception& e) {
+    env::log(env::Level::Warn, rank_, std::string(desc_) + ": a Future callback raised: " + e.what());
   }
+  finish(error);
 }
 
 #ifdef XIRANG_WITH_CUDA

@@ -100,11 +100,8 @@ def __getattr__(name):
     raise AttributeError(f"module 'xirang' has no attribute {name!r}")
 
 
-try:  # the hook is pure Python over the backend; keep import of the package cheap if absent
-    from . import hooks  # noqa: E402
-    from .hooks import register_comm_hook  # noqa: E402,F401
-except ImportError:  # pragma: no cover
-    pass
+from . import hooks  # noqa: E402  (pure Python over the backend; loads no extension)
+from .hooks import register_comm_hook  # noqa: E402,F401
 
 __all__ = [
     "Options",

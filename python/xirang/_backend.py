@@ -99,13 +99,13 @@ class Options:
             hold equal numbers of ranks, else the ring), "ring", "direct", "two_level". Default
             "auto" defers to XIRANG_ALGO.
         ring_order: "topology" (sorted by rack, host, rank; labels from XIRANG_HOST/XIRANG_RACK/
-            XIRANG_TOPOLOGY_FILE) or "rank"; None defers to XIRANG_RING_ORDER (default topology).
-        elastic: True or False: elastic mode (#8; also XIRANG_ELASTIC=1): when a rank is lost the
+            XIRANG_TOPOLOGY_FILE) or "rank"; None defers to XIRANG_RING_ORDER.
+        elastic: True or False: elastic mode (also XIRANG_ELASTIC=1): when a rank is lost the
             survivors agree through the store on the live ranks, rebuild the ring without it and go
             on; operations in flight raise xirang.MembershipChanged (the comm hook's own operation
             is retried on the new ring). None defers to XIRANG_ELASTIC. See README "Elastic mode".
         heartbeat_s: elastic mode: a rank whose store heartbeat is silent this long (a positive
-            number of seconds) is declared failed; None defers to XIRANG_HEARTBEAT_S (default 1.0).
+            number of seconds) is declared failed; None defers to XIRANG_HEARTBEAT_S.
     """
 
     timeout: Optional[Union[float, timedelta]] = None

@@ -1,4 +1,4 @@
-"""Elastic mode (#8), the Python side: membership, callbacks, admitting spares, and copying the
+"""Elastic mode, the Python side: membership, callbacks, admitting spares, and copying the
 training state to them.
 
 A group created with ``XIRANG_ELASTIC=1`` (or ``xirang.Options(elastic=True)``) survives lost

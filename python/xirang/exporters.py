@@ -28,8 +28,7 @@ import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-PHASES = ("queued_s", "encode_s", "scatter_reduce_s", "allgather_s", "decode_s")
-_BUSY = ("encode_s", "scatter_reduce_s", "allgather_s", "decode_s")
+from .report.records import PHASES, unattributed
 
 
 def _missing(pkg: str, what: str) -> ImportError:
@@ -82,8 +81,7 @@ class Aggregator:
                     s[b] += float(r.get(b, 0) or 0)
                 for p in PHASES + ("total_s",):
                     s[p] += float(r.get(p, 0.0) or 0.0)
-                s["unattributed_s"] += max(0.0, float(r.get("total_s", 0.0) or 0.0)
-                                           - sum(float(r.get(p, 0.0) or 0.0) for p in _BUSY))
+                s["unattributed_s"] += unattributed(r)
                 for p in r.get("peers") or []:
                     pk = (pg, str(p.get("peer")))
                     self.peer_wait[pk] = self.peer_wait.get(pk, 0.0) + float(p.get("recv_s", 0.0) or 0.0)
@@ -144,7 +142,9 @@ def start_prometheus(port: Optional[int] = None, process_group=None, addr: str =
     except ImportError:
         raise _missing("prometheus_client", "the Prometheus exporter") from None
     if port is None:
-        base = os.environ.get("XIRANG_PROMETHEUS_PORT")
+        from ._backend import load_C
+
+        base = load_C().env_get("XIRANG_PROMETHEUS_PORT")
         if not base:
             raise ValueError("xirang.exporters.start_prometheus: pass port= or set XIRANG_PROMETHEUS_PORT")
         port = int(base) + int(os.environ.get("LOCAL_RANK", "0") or 0)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One rank of the topology tests (tests/python/test_topology.py), on loopback or inside an
-emulated-cluster namespace (tests/cluster/netns.py).
+emulated-cluster namespace (tests/cluster/netns).
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (a TCPStore served by the launcher;
 TORCHELASTIC_USE_AGENT_STORE=True so every rank connects as a client), XIRANG_TEST_SCENARIO,

@@ -34,7 +34,7 @@ def xirang_built() -> bool:
 
 
 def load_hooks():
-    """xirang.hooks from the installed package, else hooks.py from the source tree."""
+    """xirang.hooks from the installed package, else the package from the source tree."""
     try:
         import xirang.hooks as h
 
@@ -44,13 +44,19 @@ def load_hooks():
     name = "xirang_hooks_src"
     if name in sys.modules:
         return sys.modules[name]
+    pkg = os.path.join(_ROOT, "python", "xirang", "hooks")
     spec = importlib.util.spec_from_file_location(
-        name, os.path.join(_ROOT, "python", "xirang", "hooks.py")
+        name, os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg]
     )
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def use_backend(hooks, factory):
+    """Make the hook state resolve its backend with ``factory(process_group)`` (the stand-in)."""
+    hooks.state._backend_for = factory
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,36 +77,45 @@ class _FakeWork:
 
 
 class FakeEFBackend:
-    """Emulates allreduce_ef on gloo: v = x/N + r; q = bf16(v); staged = v - q; y = sum_i q_i.
+    """Emulates allreduce_ef on gloo: v = x/N + r; q = bf16(v); staged = v - q; y = sum_i q_i;
+    then each ``plain`` tensor averaged in its own dtype (pre-divided by N, then a SUM).
 
     ``exact=True`` skips the rounding (q = v), so outputs equal the plain average: used to
-    check packing, splitting and unpacking exactly. Records every call.
+    check packing, splitting and unpacking exactly. Records every call that has compressed
+    elements as (group_id, numel).
     """
 
     def __init__(self, pg, exact=False):
         self.pg = pg
         self.exact = exact
         self.calls = []
+        self.ring = list(range(dist.get_world_size(pg)))
 
-    def allreduce_ef(self, buffer, residual, staged, group_id):
+    def allreduce_ef(self, buffer, residual, staged, group_id, label="", plain=()):
         for t in (buffer, residual, staged):
             assert t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous(), t
             assert t.numel() == buffer.numel()
-        assert staged.data_ptr() != residual.data_ptr(), "staged aliases residual"
-        assert staged.data_ptr() != buffer.data_ptr() and residual.data_ptr() != buffer.data_ptr()
-        assert isinstance(group_id, int)
-        self.calls.append((group_id, buffer.numel()))
+        assert isinstance(group_id, int) and isinstance(label, str)
         n = dist.get_world_size(self.pg)
-        v = buffer / n + residual
-        q = v.clone() if self.exact else v.to(torch.bfloat16).float()
-        staged.copy_(v - q)
-        fut = dist.all_reduce(q, group=self.pg, async_op=True).get_future()
+        futs = []
+        if buffer.numel():
+            assert staged.data_ptr() != residual.data_ptr(), "staged aliases residual"
+            assert staged.data_ptr() != buffer.data_ptr() and residual.data_ptr() != buffer.data_ptr()
+            self.calls.append((group_id, buffer.numel()))
+            v = buffer / n + residual
+            q = v.clone() if self.exact else v.to(torch.bfloat16).float()
+            staged.copy_(v - q)
 
-        def done(f):
-            buffer.copy_(f.value()[0])
-            return [buffer]
+            def done(f):
+                buffer.copy_(f.value()[0])
+                return [buffer]
 
-        return _FakeWork(fut.then(done))
+            futs.append(dist.all_reduce(q, group=self.pg, async_op=True).get_future().then(done))
+        for b in plain:
+            if n > 1:
+                b.div_(n)
+                futs.append(dist.all_reduce(b, op=dist.ReduceOp.SUM, group=self.pg, async_op=True).get_future())
+        return _FakeWork(torch.futures.collect_all(futs).then(lambda f: [x.value() for x in f.value()]))
 
 
 FAKE = {}
@@ -118,7 +133,7 @@ def setup(rank, ws, port, kind, exact=False, threads=1):
     )
     hooks = load_hooks()
     if kind == "fake":
-        hooks._backend_for = lambda pg: FAKE.setdefault("b", FakeEFBackend(pg, exact=exact))
+        use_backend(hooks, lambda pg: FAKE.setdefault("b", FakeEFBackend(pg, exact=exact)))
     return hooks
 
 

@@ -855,10 +855,32 @@ def w_work_api(coll):
     except RuntimeError as e:
         fut = mp_pool.exc_info(e)
     waited = w.wait()
+    done_at_wait = fut.done() if not isinstance(fut, mp_pool.ExcInfo) else False
     value = fut.wait() if not isinstance(fut, mp_pool.ExcInfo) else fut
-    return dict(result=result, waited=waited, completed=w.is_completed(),
+    return dict(result=result, waited=waited, completed=w.is_completed(), done_at_wait=done_at_wait,
                 fut_done=fut.done() if not isinstance(fut, mp_pool.ExcInfo) else False, value=value,
                 value_type=type(value).__name__)
+
+
+def w_future_done_at_wait(n):
+    """Counts, over n async allreduces, the Futures not yet done when Work.wait() returned."""
+    late = 0
+    for i in range(n):
+        t = torch.full((4,), float(rank() + i))
+        w = dist.all_reduce(t, group=mp_pool.group(), async_op=True)
+        fut = w.get_future()
+        w.wait()
+        late += 0 if fut.done() else 1
+        assert fut.value()[0].data_ptr() == t.data_ptr()
+    return late
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_future_done_when_wait_returns(backend, ws, pool):
+    """Work.wait() returns only once get_future() is done (DDP reads the Future's value right after
+    wait(); a Future completed after the Work made value() assert in ivalue_inl.h)."""
+    late = pool.run(w_future_done_at_wait, 300)
+    assert late == [0] * ws, f"Futures not done when wait() returned, per rank: {late}"
 
 
 @pytest.mark.parametrize("ws", WS)
@@ -876,6 +898,7 @@ def test_work_future(backend, ws, coll, pool):
                 continue  # gloo has no Future for this op (finding); xirang must have one
             raise AssertionError(f"rank {r}: get_future() raised {d['value']}")
         assert d["fut_done"], f"rank {r}: future not done after wait()"
+        assert d["done_at_wait"], f"rank {r}: Work.wait() returned before its Future was completed"
         assert d["waited"] in (True, None), f"rank {r}: wait() returned {d['waited']!r}"
         assert isinstance(d["value"], list) and all(isinstance(v, torch.Tensor) for v in d["value"]), \
             f"rank {r}: future value is {d['value_type']}, want a list of tensors"

@@ -1,6 +1,6 @@
 """Elastic mode (#8) on the emulated cluster, under torchrun: a whole host dies mid-run.
 
-2 racks x 2 hosts (network namespaces, tests/cluster/netns.py: rack uplinks 200 Mbit/s, 1 ms one
+2 racks x 2 hosts (network namespaces, tests/cluster/netns: rack uplinks 200 Mbit/s, 1 ms one
 way across racks) x 2 ranks per host. One torchrun agent per host, static rendezvous:
 
     torchrun --nnodes=4 --node-rank=i --nproc-per-node=2 --rdzv-backend=static

@@ -1,4 +1,5 @@
-"""The examples run: examples/train.py under torchrun with 2 ranks, and the ecosystem examples.
+"""The examples run: examples/train.py (and benchmarks/train_compare.py over it) under torchrun with
+2 ranks, and the ecosystem examples.
 
 Each case is parametrised over ``backend`` by conftest.py: "gloo" runs with DDP's own allreduce
 (hook none), "xirang" with xirang's process group and the bf16 error-feedback hook; the xirang cases
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.dedicated  # these spawn their own processes (torchrun)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EX = os.path.join(ROOT, "examples")
+COMPARE = os.path.join(ROOT, "benchmarks", "train_compare.py")  # the gloo-vs-xirang harness over train.py
 TIMEOUT = int(os.environ.get("XIRANG_EXAMPLE_TIMEOUT", "300"))
 HOOK = {"gloo": "none", "xirang": "bf16-ef"}
 
@@ -51,7 +53,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = TIMEOUT,
 
 def _train_args(backend: str, steps: int = 20) -> list:
     return ["--backend", backend, "--hook", HOOK[backend], "--steps", str(steps),
-            "--warmup-steps", "2", "--probe-steps", "2", "--no-progress"]
+            "--warmup-steps", "2", "--no-progress"]
 
 
 def _read(path: str) -> dict:
@@ -81,10 +83,11 @@ def test_train_digits(backend, tmp_path):
 
 
 def test_train_compare_table(backend, tmp_path):
-    """--compare: two trainings in one torchrun job (destroy + fresh group), one table on rank 0."""
+    """benchmarks/train_compare.py: two trainings of examples/train.py in one torchrun job
+    (destroy + fresh group), one table on rank 0."""
     summary = tmp_path / "summary.json"
     other = "gloo:none" if backend == "gloo" else "xirang:bf16-ef"
-    p = torchrun("train.py", "--compare", "--compare-with", other, "--steps", "20",
+    p = torchrun(COMPARE, "--compare-with", other, "--steps", "20",
                  "--warmup-steps", "2", "--probe-steps", "2", "--no-progress",
                  "--summary", str(summary))
     for row in ("final loss (mean of last 20 steps)", "held-out accuracy", "step time",
@@ -103,7 +106,7 @@ def test_train_compare_table(backend, tmp_path):
 
 def test_train_resume_is_bitwise(backend, tmp_path):
     """5 steps, save, resume in new processes, 5 more == 10 uninterrupted steps (CPU, bitwise)."""
-    common = _train_args(backend, steps=10) + ["--probe-steps", "0"]
+    common = _train_args(backend, steps=10)
     torchrun("train.py", *common, "--save", str(tmp_path / "full"))
     torchrun("train.py", *common, "--stop-at", "5", "--save", str(tmp_path / "half"))
     torchrun("train.py", *common, "--resume", str(tmp_path / "half"), "--save", str(tmp_path / "resumed"))
@@ -121,7 +124,7 @@ def test_train_resume_is_bitwise(backend, tmp_path):
 def test_train_text_default_corpus_and_user_data(tmp_path):
     """The text task on the stdlib corpus and on --data, shrunk (4 blocks, 4 steps) to stay quick."""
     small = ["--backend", "gloo", "--hook", "none", "--task", "text", "--depth", "4",
-             "--steps", "4", "--warmup-steps", "1", "--probe-steps", "0", "--no-progress"]
+             "--steps", "4", "--warmup-steps", "1", "--no-progress"]
     s1 = tmp_path / "s1.json"
     torchrun("train.py", *small, "--summary", str(s1))
     r = _read(str(s1))

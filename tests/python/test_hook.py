@@ -209,15 +209,15 @@ def ws1_group():
         pytest.skip("a process group already exists in this process")
     f = tempfile.NamedTemporaryFile(delete=False)
     dist.init_process_group("gloo", store=dist.FileStore(f.name, 1), rank=0, world_size=1)
-    saved = hooks._backend_for
+    saved = hooks.state._backend_for
     fakes = {}
 
     def make(exact):
-        hooks._backend_for = lambda pg: fakes.setdefault(exact, hw.FakeEFBackend(pg, exact=exact))
+        hw.use_backend(hooks, lambda pg: fakes.setdefault(exact, hw.FakeEFBackend(pg, exact=exact)))
         return lambda: fakes[exact]
 
     yield make
-    hooks._backend_for = saved
+    hw.use_backend(hooks, saved)
     dist.destroy_process_group()
     os.unlink(f.name)
 

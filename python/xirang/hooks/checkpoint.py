@@ -1,0 +1,122 @@
+"""Saving and restoring the hook's state: residuals (per rank, keyed by parameter name) and
+counters, never the process group.
+
+:class:`Checkpointing` is a mixin of :class:`~xirang.hooks.BF16ErrorFeedbackState`; it reads and
+writes the state's ``residuals``, ``_slots``, ``_groups``, ``world_size``, ``ring_order`` and
+counters, and its ``_init_runtime()`` when unpickled.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict
+
+import torch
+
+STATE_DICT_VERSION = 1
+
+
+class Checkpointing:
+    """``state_dict`` / ``load_state_dict`` and pickling of the hook's state."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals (fqn -> fp32 tensor, cloned) and counters; no process group.
+
+        Every rank saves its own. Keys: ``version``, ``world_size``, ``ring_order``,
+        ``layers_per_group``, ``min_compress_numel``, ``error_feedback``, ``steps``,
+        ``skipped_steps``, ``residuals``.
+        """
+        res = {k: v.detach().clone() for k, v in self.residuals.items()}
+        if self._pending_residuals is not None and not res:
+            res = {k: v.clone() for k, v in self._pending_residuals.items()}
+        return {
+            "version": STATE_DICT_VERSION,
+            "world_size": self.world_size,
+            "ring_order": list(self.ring_order) if self.ring_order is not None else None,
+            "layers_per_group": self.layers_per_group,
+            "min_compress_numel": self.min_compress_numel,
+            "error_feedback": self.error_feedback,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "residuals": res,
+        }
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restore residuals and counters saved by :meth:`state_dict` on this rank.
+
+        A different world size or ring order resets residuals to zero with a warning (a
+        residual belongs to the hops its rank made). Residuals of parameters that are not
+        compressed here are ignored with a warning; a shape mismatch raises ``ValueError``.
+        Before the process group is known (no hook call yet, or an unpickled state) the
+        residuals are kept and applied once it is.
+        """
+        if sd.get("version") != STATE_DICT_VERSION:
+            raise ValueError(f"unsupported hook state_dict version {sd.get('version')!r}")
+        self.steps = int(sd.get("steps", 0))
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
+        meta = {"world_size": sd.get("world_size"), "ring_order": sd.get("ring_order")}
+        residuals = dict(sd.get("residuals", {}))
+        if self.world_size is None:
+            self._pending_meta, self._pending_residuals = meta, residuals
+            return
+        self._apply_loaded(meta, residuals)
+
+    def _apply_loaded(self, meta: Dict[str, Any], residuals: Dict[str, torch.Tensor]) -> None:
+        saved_ws, saved_ring = meta.get("world_size"), meta.get("ring_order")
+        same = saved_ws is None or (
+            saved_ws == self.world_size
+            and (saved_ring is None or tuple(saved_ring) == tuple(self.ring_order or ()))
+        )
+        for g in self._groups:  # residuals restart at zero unless restored below
+            if g.residual is not None:
+                g.residual.zero_()
+        if not same:
+            warnings.warn(
+                f"hook state saved with world size {saved_ws} / ring order {saved_ring}, "
+                f"loaded with {self.world_size} / {list(self.ring_order or ())}: residuals reset "
+                "to zero",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        by_fqn = {s.fqn: s for s in self._slots.values()}
+        unknown = []
+        for fqn, t in residuals.items():
+            s = by_fqn.get(fqn)
+            if s is None or s.kind != "ef":
+                unknown.append(fqn)
+                continue
+            if t.numel() != s.numel:
+                raise ValueError(
+                    f"residual for {fqn} has {t.numel()} elements, parameter has {s.numel}"
+                )
+            g = s.group
+            if g.residual is None:
+                g.residual = torch.zeros(g.ef_numel, dtype=torch.float32)
+            g.residual[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
+        if unknown:
+            warnings.warn(
+                f"ignored residuals of parameters not compressed by this state: {unknown[:5]}"
+                + (" ..." if len(unknown) > 5 else ""),
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {
+            "layers_per_group": self.layers_per_group,
+            "min_compress_numel": self.min_compress_numel,
+            "error_feedback": self.error_feedback,
+            "measure_readiness": self.measure_readiness,
+            "state_dict": self.state_dict(),
+        }
+
+    def __setstate__(self, d: Dict[str, Any]) -> None:
+        """Unpickled states hold residuals and counters only: call ``bind`` with the model."""
+        self.layers_per_group = d["layers_per_group"]
+        self.min_compress_numel = d["min_compress_numel"]
+        self.error_feedback = d["error_feedback"]
+        self.measure_readiness = d["measure_readiness"]
+        self._user_layers = None
+        self.process_group = None
+        self._init_runtime()
+        self.load_state_dict(d["state_dict"])

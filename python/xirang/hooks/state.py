@@ -1,0 +1,419 @@
+"""The hook's state: binding to a model, one synced step's bookkeeping, and the launches.
+
+A synced step ends at the hook call that hands the last parameter requiring grad (or DDP's last
+bucket); each layer group is launched, as one backend operation, in the call that hands its last
+gradient.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import Checkpointing
+from .layout import Group, Slot, build_groups, check_sparse
+from .stats import hook_stats
+
+#: Smallest fp32 matrix (elements) that goes through the compressed ring. Smaller tensors and
+#: every 1-D tensor (biases, norm scales) go through the plain ring in their own dtype: they are
+#: a tiny share of the bytes, and keeping them exact costs nothing measurable. 1024 elements =
+#: 4 KiB of fp32; a 32x32 matrix is the smallest compressed square.
+DEFAULT_MIN_COMPRESS_NUMEL = 1024
+
+
+def _backend_for(process_group: Optional[dist.ProcessGroup]) -> Any:
+    """The xirang backend object serving CPU tensors of ``process_group`` (``None``: default).
+
+    Raises ``TypeError`` when the group is not served by xirang (the message names the backend
+    found), ``ImportError`` when the C++ extension is not built.
+    """
+    from xirang._backend import backend_for  # noqa: PLC0415  (lazy: the hook imports without the extension)
+
+    return backend_for(process_group)
+
+
+class _GroupStep:
+    """One group's progress within one synced step."""
+
+    __slots__ = ("arrived", "done", "t_first", "t_ready", "t_launch", "finite", "launched")
+
+    def __init__(self):
+        self.arrived = 0
+        self.done: Optional[torch.futures.Future] = None
+        self.t_first: Optional[float] = None
+        self.t_ready: Optional[float] = None
+        self.t_launch: Optional[float] = None
+        self.finite = True
+        self.launched = False
+
+
+class _Step:
+    def __init__(self, n_groups: int):
+        self.groups = [_GroupStep() for _ in range(n_groups)]
+        self.arrived_ids: set = set()
+        self.t_first: Optional[float] = None
+
+
+class BF16ErrorFeedbackState(Checkpointing):
+    r"""State of :func:`bf16_error_feedback_hook`: layer groups, residuals, counters, stats.
+
+    Args:
+        model: the ``DistributedDataParallel`` wrapper, or the plain module it wraps (or will
+            wrap: Lightning builds DDP itself). Parameter names are taken without DDP's
+            ``module.`` prefix.
+        layers_per_group: consecutive layers per group, i.e. per backend call. Typical: 8
+            (a few dozen groups for a large transformer: enough overlap, few launches); 1 reduces
+            each layer on its own (most overlap, most launches); ``None`` puts the whole model in
+            one group (no overlap, one launch). A positive ``int`` (``TypeError`` for another type,
+            ``bool`` included; ``ValueError`` below 1).
+        layers: override of the layer list (modules, in the order they count). Default:
+            :func:`default_layers` (top-level blocks with parameters; ``ModuleList``/
+            ``Sequential`` containers stand for their children; else leaf modules). A tied
+            parameter belongs to the first layer holding it; parameters in no layer form one
+            extra group, the last.
+        min_compress_numel: fp32 tensors with ``ndim >= 2`` and at least this many elements
+            go through the compressed ring; the rest go through the plain ring in their own
+            dtype (fp64 stays fp64, bf16/fp16 are not compressed again). Default
+            :data:`DEFAULT_MIN_COMPRESS_NUMEL` (1024).
+        process_group: the group to reduce over. Default: the DDP wrapper's group, else the
+            default group. It must be served by xirang (``TypeError`` otherwise, raised here if
+            the group exists already, else at the first hook call).
+        error_feedback: ``False`` never commits residuals (plain bf16 ring, for ablations).
+        measure_readiness: register a post-accumulate-grad hook on every parameter to time
+            true group readiness (one Python call per parameter per backward, ~1 us each).
+
+    Memory: per compressed element 12 bytes on top of the gradient (residual 4, staging 4,
+    packed buffer 4, all fp32); per plain element one packed copy in its dtype. Residuals are
+    allocated (zeros) at the first hook call. ``stats()["totals"]["residual_bytes"]`` reports
+    residual + staging.
+
+    Residuals are keyed by fully qualified parameter name and packed in parameter order, never
+    bucket order: DDP's bucket rebuild after iteration 1 and a checkpoint restore leave every
+    group's packing, chunk ownership and summation order unchanged.
+
+    Step semantics: a synced step ends at the hook call that hands the last parameter requiring
+    grad (or DDP's last bucket). Residual updates are staged by the backend and committed when
+    the step's last group completes, only if every group's output is finite; otherwise every
+    residual stays as it was (the non-finite output lets AMP's ``GradScaler`` skip the step).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers_per_group: Optional[int] = 8,
+        layers: Optional[Sequence[nn.Module]] = None,
+        min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL,
+        process_group: Optional[dist.ProcessGroup] = None,
+        error_feedback: bool = True,
+        measure_readiness: bool = True,
+    ):
+        if layers_per_group is not None:
+            if isinstance(layers_per_group, bool) or not isinstance(layers_per_group, int):
+                raise TypeError(f"layers_per_group must be a positive int or None, got "
+                                f"{type(layers_per_group).__name__} {layers_per_group!r}")
+            if layers_per_group < 1:
+                raise ValueError(f"layers_per_group must be a positive int or None, got {layers_per_group!r}")
+        if not isinstance(min_compress_numel, int) or min_compress_numel < 1:
+            raise ValueError(f"min_compress_numel must be an int >= 1, got {min_compress_numel!r}")
+        self.layers_per_group = layers_per_group
+        self.min_compress_numel = min_compress_numel
+        self.error_feedback = bool(error_feedback)
+        self.measure_readiness = bool(measure_readiness)
+        self._user_layers = list(layers) if layers is not None else None
+        self.process_group = process_group
+        self._init_runtime()
+        self.bind(model, process_group)
+
+    def _init_runtime(self) -> None:
+        """Everything but the settings: no model bound, no backend, counters at zero."""
+        self._root: Optional[nn.Module] = None
+        self._backend = None
+        self._slots: Dict[int, Slot] = {}
+        self._groups: List[Group] = []
+        self._expected: set = set()
+        self._step: Optional[_Step] = None
+        self._ready_handles: List[Any] = []
+        self._warned_flush = False
+        self._exposed_s = 0.0
+        self._sum_exposed_s = 0.0
+        self._t_last_hook_return: Optional[float] = None
+        self._pending_residuals: Optional[Dict[str, torch.Tensor]] = None
+        self._pending_meta: Optional[Dict[str, Any]] = None
+        self.steps = 0
+        self.skipped_steps = 0
+        self.world_size: Optional[int] = None
+        self.ring_order: Optional[Tuple[int, ...]] = None
+
+    # -- binding ----------------------------------------------------------------------------
+
+    def bind(self, model: nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        """(Re)attach to ``model``: build the layer groups. Needed after unpickling a state."""
+        if model is None:
+            return
+        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        root = ddp.module if ddp is not None else model
+        if process_group is None:
+            process_group = self.process_group
+        if process_group is None and ddp is not None:
+            process_group = ddp.process_group
+        self.process_group = process_group
+        check_sparse(root, ddp)
+        for h in self._ready_handles:
+            h.remove()
+        self._ready_handles = []
+        self._root = root
+        self._build_groups(root, ddp)
+        self._backend = None
+        if dist.is_available() and dist.is_initialized():
+            self._resolve_backend()
+
+    def _build_groups(self, root: nn.Module, ddp) -> None:
+        self._slots, self._groups = build_groups(root, ddp, self._user_layers, self.layers_per_group,
+                                                 self.min_compress_numel)
+        self._expected = set(self._slots)
+
+        if self.measure_readiness:
+            for s in self._slots.values():
+                if hasattr(s.param, "register_post_accumulate_grad_hook"):
+                    self._ready_handles.append(
+                        s.param.register_post_accumulate_grad_hook(_ReadyMark(s.group))
+                    )
+
+    def _resolve_backend(self) -> None:
+        pg = self.process_group
+        self._backend = _backend_for(pg)
+        self.world_size = dist.get_world_size(pg)
+        self.ring_order = tuple(int(r) for r in self._backend.ring)  # group ranks in ring order
+        if self._pending_meta is not None:
+            self._apply_loaded(self._pending_meta, self._pending_residuals or {})
+            self._pending_meta = None
+            self._pending_residuals = None
+
+    @property
+    def residuals(self) -> Dict[str, torch.Tensor]:
+        """fqn -> this rank's residual (fp32 view, shape of the parameter) of compressed tensors.
+
+        Views into the live buffers; empty before the first step (residuals start at zero).
+        """
+        out = {}
+        for g in self._groups:
+            if g.residual is None:
+                continue
+            for s in g.slots:
+                if s.kind == "ef":
+                    out[s.fqn] = g.residual[s.offset : s.offset + s.numel].view(s.param.shape)
+        return out
+
+    @property
+    def groups(self) -> List[Dict[str, Any]]:
+        """The layer groups: index, layer names, parameter names (parameter order) by path."""
+        return [
+            {
+                "group": g.index,
+                "layers": list(g.layer_names),
+                "params": [s.fqn for s in g.slots],
+                "compressed": [s.fqn for s in g.slots if s.kind == "ef"],
+                "plain": [s.fqn for s in g.slots if s.kind == "plain"],
+            }
+            for g in self._groups
+        ]
+
+    # -- the hook body ----------------------------------------------------------------------
+
+    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        t0 = time.perf_counter()
+        if self._root is None:
+            raise RuntimeError(
+                "BF16ErrorFeedbackState is not bound to a model (it was unpickled): "
+                "call state.bind(model) before training"
+            )
+        if self._backend is None:
+            self._resolve_backend()
+        step = self._step
+        params = bucket.parameters()
+        if step is not None and any(id(p) in step.arrived_ids for p in params):
+            warnings.warn(
+                "bf16_error_feedback_hook: a parameter arrived twice in one step (was the previous "
+                "backward interrupted?); starting a new step and discarding the old one",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            step = None
+        if step is None:
+            step = self._step = _Step(len(self._groups))
+            step.t_first = t0
+        grads = bucket.gradients()
+        if len(grads) != len(params):
+            raise RuntimeError(f"bucket has {len(params)} parameters but {len(grads)} gradients")
+
+        parts: Dict[int, List[Tuple[Slot, torch.Tensor]]] = {}
+        for p, grad in zip(params, grads):
+            s = self._slots.get(id(p))
+            if s is None:
+                raise RuntimeError(
+                    "bf16_error_feedback_hook: DDP handed a parameter the state does not know "
+                    f"(shape {tuple(p.shape)}); build the state from the model DDP wraps"
+                )
+            if grad.dtype != s.dtype:
+                raise RuntimeError(
+                    f"gradient of {s.fqn} is {grad.dtype}, expected {s.dtype}: "
+                    "rebuild the state after changing parameter dtypes"
+                )
+            g = s.group
+            gs = step.groups[g.index]
+            if gs.t_first is None:
+                gs.t_first = t0
+                gs.done = torch.futures.Future()
+                g.ensure_buffers()
+            dst = g.ef_buf if s.kind == "ef" else g.plain_bufs[s.dtype]
+            dst[s.offset : s.offset + s.numel].copy_(grad.reshape(-1))
+            parts.setdefault(g.index, []).append((s, grad))
+            gs.arrived += 1
+            step.arrived_ids.add(id(p))
+            if gs.arrived == len(g.slots):
+                # Launch as soon as the group's last gradient is packed, before packing the
+                # rest of the bucket: the order follows the bucket's parameter order, which
+                # DDP makes identical on every rank.
+                gs.t_ready = t0
+                self._launch(g, gs)
+
+        step_end = bool(bucket.is_last()) or len(step.arrived_ids) >= len(self._expected)
+        if step_end:
+            flush = [
+                i for i, gs in enumerate(step.groups) if gs.t_first is not None and not gs.launched
+            ]
+            if flush and not self._warned_flush:
+                self._warned_flush = True
+                warnings.warn(
+                    "bf16_error_feedback_hook: groups "
+                    f"{flush} were incomplete at DDP's last bucket (parameters the state expected "
+                    "were not handed); reducing them as they are",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            for gi in flush:
+                step.groups[gi].t_ready = t0
+                self._launch(self._groups[gi], step.groups[gi])
+
+        deps_idx = sorted(parts)
+        if step_end:
+            deps_idx = [i for i, gs in enumerate(step.groups) if gs.launched]
+            self._step = None
+        deps = [step.groups[i].done for i in deps_idx]
+        buf = bucket.buffer()
+        done = torch.futures.collect_all(deps)
+        fut = done.then(lambda f: self._finish_bucket(f, buf, parts, step if step_end else None))
+        self._t_last_hook_return = time.perf_counter()
+        return fut
+
+    def _launch(self, g: Group, gs: _GroupStep) -> None:
+        gs.launched = True
+        gs.t_launch = time.perf_counter()
+        try:
+            # One backend operation per group: the compressed ring for the matrices, then the
+            # plain average of the group's other tensors in their own dtype.
+            plain = [g.plain_bufs[dt] for dt in sorted(g.plain_bufs, key=str)]
+            ef = (g.ef_buf, g.residual, g.staged) if g.ef_numel else tuple(torch.empty(0) for _ in range(3))
+            work = self._backend.allreduce_ef(*ef, g.index, label=", ".join(g.layer_names), plain=plain)
+            fut = work.get_future()
+        except BaseException as e:
+            gs.done.set_exception(e)
+            raise
+        g.launches_total += 1
+        g.delay_bucket_s = gs.t_launch - gs.t_ready
+        g.delay_first_bucket_s = gs.t_launch - gs.t_first
+        g.sum_delay_bucket_s += g.delay_bucket_s
+        if g.grad_ready_t is not None:
+            g.delay_grad_ready_s = max(0.0, gs.t_launch - g.grad_ready_t)
+            g.sum_delay_grad_ready_s += g.delay_grad_ready_s
+            g.n_delay_grad_ready += 1
+        else:  # no stamp this step (join's zero buckets, measure_readiness=False)
+            g.delay_grad_ready_s = None
+        g.grad_ready_t = None
+        fut.add_done_callback(lambda f: self._group_done(g, gs, f))
+
+    def _group_done(self, g: Group, gs: _GroupStep, f: torch.futures.Future) -> None:
+        try:
+            f.value()  # re-raises the operation's error
+            finite = True
+            if g.ef_buf is not None:
+                finite = bool(torch.isfinite(g.ef_buf).all())
+            for b in g.plain_bufs.values():
+                if finite and b.is_floating_point():
+                    finite = bool(torch.isfinite(b).all())
+            gs.finite = finite
+            g.comm_s = time.perf_counter() - gs.t_launch
+            g.sum_comm_s += g.comm_s
+        except BaseException as e:  # noqa: BLE001  (handed to the futures DDP waits on)
+            gs.done.set_exception(e)
+            return
+        gs.done.set_result(True)
+
+    def _finish_bucket(self, f, buf: torch.Tensor, parts, step: Optional[_Step]) -> torch.Tensor:
+        for x in f.value():
+            x.value()  # re-raises a group's error
+        for gi, lst in parts.items():
+            g = self._groups[gi]
+            for s, grad in lst:
+                src = g.ef_buf if s.kind == "ef" else g.plain_bufs[s.dtype]
+                grad.copy_(src[s.offset : s.offset + s.numel].view(grad.shape))
+        if step is not None:
+            self._commit(step)
+        return buf
+
+    def _commit(self, step: _Step) -> None:
+        launched = [(self._groups[i], gs) for i, gs in enumerate(step.groups) if gs.launched]
+        finite = all(gs.finite for _, gs in launched)
+        if finite and self.error_feedback:
+            for g, _ in launched:
+                if g.ef_numel:
+                    g.residual, g.staged = g.staged, g.residual
+        if not finite:
+            self.skipped_steps += 1
+        for g in self._groups:
+            g.launches_last_step = 0
+        for g, _ in launched:
+            g.launches_last_step = 1
+        self.steps += 1
+        if self._t_last_hook_return is not None:
+            self._exposed_s = max(0.0, time.perf_counter() - self._t_last_hook_return)
+            self._sum_exposed_s += self._exposed_s
+
+    # -- stats ------------------------------------------------------------------------------
+
+    def stats(self) -> Dict[str, Any]:
+        """Per-group view of the hook's communication (this rank, Python side).
+
+        Returns ``{"groups": [...], "totals": {...}}``. Each group: ``group``, ``layers``,
+        ``numel_compressed``, ``numel_plain`` (dtype name -> elements), ``launches_per_step``
+        (last step; one launch = one group's reduction: one ``allreduce_ef`` backend operation,
+        which also averages the group's plain tensors), ``launches_total``, ``collectives_per_step``
+        (backend operations: one per launch),
+        ``bytes_raw_per_step`` (what fp32/own-dtype ring allreduce would send: itemsize x numel
+        x 2(N-1)/N), ``bytes_wire_per_step`` (compressed: 2 bytes per element x 2(N-1)/N),
+        ``launch_delay_s`` (hook call that completed the group -> launch; ~0 by construction),
+        ``launch_delay_from_grad_ready_s`` (last gradient of the group accumulated -> launch;
+        the real delay behind readiness, bounded by the time to fill the rest of its bucket),
+        ``first_bucket_to_launch_s``, ``comm_s`` (launch -> completion), their ``mean_*``
+        counterparts, and ``residual_bytes`` (residual + staging). ``totals`` sums bytes,
+        launches and residual bytes and adds ``exposed_comm_s``: last hook return -> the
+        step's last group done, an estimate of how long DDP waits on communication.
+        """
+        return hook_stats(self._groups, self.world_size or 1, self._exposed_s, self._sum_exposed_s, self.steps,
+                          self.skipped_steps)
+
+
+class _ReadyMark:
+    """Post-accumulate-grad hook: stamps the time a group's gradient last grew."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Group):
+        self.group = group
+
+    def __call__(self, _param: torch.Tensor) -> None:
+        self.group.grad_ready_t = time.perf_counter()

@@ -1,0 +1,6 @@
+"""`python -m xirang.report`."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""Reading records: rank<N>.jsonl files, or xirang.stats(gather=True)'s result; cutting them into runs."""
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import os
+import re
+from typing import Dict, List, Tuple
+
+from .records import rank_of
+
+
+def load_records(path: str) -> Tuple[List[dict], List[str]]:
+    """Records from ``path`` (a directory of rank<N>.jsonl, or one .jsonl file), in file order
+    (files sorted by rank number). Returns (records, warnings).
+
+    A line that is not a JSON object with an ``"op"`` field (not JSON, a truncated last line,
+    another program's log) is skipped and counted: one warning per file names how many of its
+    lines were unreadable and the first few of them. Blank lines are ignored.
+    Bytes that are not UTF-8 are read as U+FFFD (such a line is then usually unreadable JSON).
+    Raises FileNotFoundError when ``path`` does not exist, OSError when a file cannot be read.
+    """
+    if os.path.isdir(path):
+        files = glob.glob(os.path.join(path, "rank*.jsonl"))
+
+        def key(f):
+            m = re.search(r"rank(\d+)\.jsonl$", f)
+            return (int(m.group(1)) if m else 1 << 30, f)
+
+        files.sort(key=key)
+    elif os.path.exists(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    recs: List[dict] = []
+    warns: List[str] = []
+    for f in files:
+        lines = 0
+        bad: List[str] = []
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for i, line in enumerate(fh, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                lines += 1
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError as e:
+                    bad.append(f"line {i}: {e.msg}")
+                    continue
+                if not isinstance(r, dict) or "op" not in r:
+                    bad.append(f"line {i}: not an operation record")
+                    continue
+                if "global_rank" not in r:
+                    m = re.search(r"rank(\d+)\.jsonl$", f)
+                    if m:
+                        r["global_rank"] = int(m.group(1))
+                recs.append(r)
+        if bad:
+            more = f"; {len(bad) - 3} more" if len(bad) > 3 else ""
+            warns.append(f"{os.path.basename(f)}: {len(bad)} of {lines} lines unreadable, skipped "
+                         f"({'; '.join(bad[:3])}{more})")
+    return recs, warns
+
+
+def from_gathered(per_rank: List[List[dict]], pg: str = "") -> List[dict]:
+    """Flatten ``xirang.stats(gather=True)``'s result (index = group rank) into report records."""
+    out = []
+    ws = len(per_rank)
+    for r, lst in enumerate(per_rank or []):
+        for rec in lst or []:
+            d = dict(rec)
+            d.setdefault("group_rank", r)
+            d.setdefault("global_rank", r)
+            d.setdefault("world_size", ws)
+            d.setdefault("pg", pg)
+            d.setdefault("run_id", "")
+            out.append(d)
+    return out
+
+
+def split_runs(records: List[dict]) -> List[Tuple[str, List[dict]]]:
+    """[(run name, records)] in order of first appearance."""
+    session: Dict[tuple, int] = {}
+    last_seq: Dict[tuple, int] = {}
+    runs: Dict[tuple, List[dict]] = {}
+    for r in records:
+        rid = r.get("run_id") or ""
+        k = (rank_of(r), rid, r.get("pg", ""))
+        seq = int(r.get("seq", 0) or 0)
+        if seq > 0:  # point-to-point sends carry seq 0
+            if k in last_seq and seq <= last_seq[k]:
+                session[k] = session.get(k, 0) + 1
+            last_seq[k] = seq
+        runs.setdefault((rid, session.get(k, 0)), []).append(r)
+    out = []
+    n_sessions: Dict[str, int] = {}
+    for rid, s in runs:
+        n_sessions[rid] = max(n_sessions.get(rid, 0), s + 1)
+    for (rid, s), lst in runs.items():
+        name = rid or "(no run id)"
+        if n_sessions[rid] > 1:
+            name += f" #{s + 1}"
+        out.append((name, lst))
+    return out
