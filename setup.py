@@ -129,15 +129,35 @@ for _inc in include_paths("cuda" if WITH_CUDA else "cpu"):
     cxx_flags += ["-isystem", _inc]
 if os.environ.get("XIRANG_WERROR", "").strip().lower() in ("1", "true", "yes", "on"):
     cxx_flags.append("-Werror")
+def _nccl_include():
+    """The directory holding nccl.h: torch's nvidia-nccl wheel (site-packages/nvidia/nccl/include,
+    next to torch), else $NCCL_INCLUDE_DIR, else the CUDA toolkit's include; None if none has it.
+    Only the header is used: libnccl.so.2 is dlopen'ed at run time (csrc/cuda/nccl_api.h)."""
+    cands = [Path(torch.__file__).resolve().parent.parent / "nvidia/nccl/include",
+             os.environ.get("NCCL_INCLUDE_DIR"), _cuda_home and str(Path(_cuda_home) / "include")]
+    for c in cands:
+        if c and (Path(c) / "nccl.h").exists():
+            return str(c)
+    return None
+
+
 if WITH_CUDA:
     from torch.utils.cpp_extension import CUDAExtension
 
+    cuda_cxx = cxx_flags + ["-DXIRANG_WITH_CUDA"]
+    _nccl_inc = _nccl_include()
+    if _nccl_inc:
+        cuda_cxx += ["-isystem", _nccl_inc, "-DXIRANG_HAVE_NCCL_H"]
+    else:
+        print("xirang: warning: nccl.h not found (torch's nvidia-nccl wheel, NCCL_INCLUDE_DIR, CUDA_HOME/include): "
+              "the NCCL table is built as 'unavailable'")
     ext = CUDAExtension(
         name="xirang._C",
-        sources=sources + ["csrc/cuda/codec_kernels.cu", "csrc/cuda/cuda_stage.cc"],
+        sources=sources + ["csrc/cuda/kernels.cu", "csrc/cuda/cuda_api.cc", "csrc/cuda/nccl_api.cc",
+                           "csrc/cuda/cuda_stage.cc"],
         include_dirs=[str(ROOT / "csrc")],
         # --fmad=false: the kernels' bits must not depend on FMA contraction either.
-        extra_compile_args={"cxx": cxx_flags + ["-DXIRANG_WITH_CUDA"],
+        extra_compile_args={"cxx": cuda_cxx,
                             "nvcc": ["-O3", "--fmad=false", "-DXIRANG_WITH_CUDA"]},
     )
 else:

@@ -2,11 +2,13 @@
 // See codec.h for the contract; every path must produce the scalar path's bits.
 //
 // No path may fuse x*scale with the following add. The build passes -ffp-contract=off, but
-// the products are also passed through an empty asm barrier (opaque*), so the guarantee holds
+// the products are also passed through an empty asm barrier (el::opaque, opaque8/16), so the guarantee holds
 // even where this file is compiled with GCC's default -ffp-contract=fast (e.g. the
 // avx512f target implies FMA, and intrinsic mul/add are ordinary vector ops that GCC contracts).
 #include "core/codec.h"
 #include "core/env.h"
+
+#include "core/elements.h"
 
 #include <atomic>
 #include <cctype>
@@ -29,77 +31,37 @@ namespace xirang::codec {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Scalar reference
+// Scalar reference: the per-element functions of core/elements.h, which the CUDA kernels run too.
 // ---------------------------------------------------------------------------------------------
 
-inline uint32_t bitsOf(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-}
-
-inline float floatOf(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
-
-// Keeps the compiler from fusing the product into a later add (the value must exist, rounded,
-// in a register at this point).
-inline float opaque(float v) {
-#if defined(__x86_64__) || defined(__i386__)
-  __asm__("" : "+x"(v));
-#elif defined(__aarch64__)
-  __asm__("" : "+w"(v));
-#else
-  volatile float t = v;
-  v = t;
-#endif
-  return v;
-}
-
-// RNE on the dropped 16 bits; NaN -> quiet NaN with sign and top payload bits.
-inline uint16_t rneBits(uint32_t u) {
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  // Cannot overflow 32 bits: the largest non-NaN pattern is 0xFF800000.
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float widen(uint16_t b) { return floatOf(static_cast<uint32_t>(b) << 16); }
-
 void encodeScalar(const float* x, uint16_t* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = rneBits(bitsOf(x[i]));
+  for (int64_t i = 0; i < n; ++i) out[i] = el::f32ToBf16(x[i]);
 }
 
 void decodeScalar(const uint16_t* in, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = widen(in[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = el::bf16ToF32(in[i]);
 }
 
 void decodeAccumulateScalar(const uint16_t* in, float* acc, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + widen(in[i]);
+  for (int64_t i = 0; i < n; ++i) acc[i] = el::decodeAccumulate(acc[i], in[i]);
 }
 
 void encodeEFScalar(const float* x, float scale, const float* r_in, float* r_out, uint16_t* out,
                     int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float p = opaque(x[i] * scale);
-    const float s = p + r_in[i];
-    const uint16_t o = rneBits(bitsOf(s));
-    out[i] = o;
-    r_out[i] = s - widen(o);
+    float r;
+    out[i] = el::encodeEF(x[i], scale, r_in[i], &r);
+    r_out[i] = r;
   }
 }
 
 void accumulateEncodeEFScalar(const uint16_t* in, const float* x, float scale, const float* r_in,
                               float* r_out, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float d = widen(in[i]);  // read before out[i] (may alias in) is written
-    const float p = opaque(x[i] * scale);
-    const float t = p + r_in[i];
-    const float s = d + t;
-    const uint16_t o = rneBits(bitsOf(s));
+    float r;
+    const uint16_t o = el::accumulateEncodeEF(in[i], x[i], scale, r_in[i], &r);  // in[i] read first
     out[i] = o;
-    r_out[i] = s - widen(o);
+    r_out[i] = r;
   }
 }
 
@@ -138,6 +100,17 @@ XR_AVX2 inline __m256 widen8(__m128i b) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
 
+// r_out of 8 lanes (elements.h: efRound): s - f32(out), or r_in where a finite s rounded to +-inf.
+XR_AVX2 inline __m256 residual8(__m256 s, __m256i r, __m256 rin) {
+  const __m256 back = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+  const __m256i u = _mm256_castps_si256(s);
+  const __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), absu);  // both >= 0
+  const __m256i toInf =
+      _mm256_cmpeq_epi32(_mm256_and_si256(r, _mm256_set1_epi32(0x7FFF)), _mm256_set1_epi32(0x7F80));
+  return _mm256_blendv_ps(_mm256_sub_ps(s, back), rin, _mm256_castsi256_ps(_mm256_and_si256(finite, toInf)));
+}
+
 XR_AVX2 void encodeAVX2(const float* x, uint16_t* out, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -170,11 +143,11 @@ XR_AVX2 void encodeEFAVX2(const float* x, float scale, const float* r_in, float*
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 p = opaque8(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
-    const __m256 s = _mm256_add_ps(p, _mm256_loadu_ps(r_in + i));
+    const __m256 rin = _mm256_loadu_ps(r_in + i);
+    const __m256 s = _mm256_add_ps(p, rin);
     const __m256i r = rne8(_mm256_castps_si256(s));
-    const __m256 back = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), pack8(r));
-    _mm256_storeu_ps(r_out + i, _mm256_sub_ps(s, back));
+    _mm256_storeu_ps(r_out + i, residual8(s, r, rin));
   }
   encodeEFScalar(x + i, scale, r_in + i, r_out + i, out + i, n - i);
 }
@@ -186,12 +159,12 @@ XR_AVX2 void accumulateEncodeEFAVX2(const uint16_t* in, const float* x, float sc
   for (; i + 8 <= n; i += 8) {
     const __m256 d = widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
     const __m256 p = opaque8(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs));
-    const __m256 t = _mm256_add_ps(p, _mm256_loadu_ps(r_in + i));
+    const __m256 rin = _mm256_loadu_ps(r_in + i);
+    const __m256 t = _mm256_add_ps(p, rin);
     const __m256 s = _mm256_add_ps(d, t);
     const __m256i r = rne8(_mm256_castps_si256(s));
-    const __m256 back = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), pack8(r));
-    _mm256_storeu_ps(r_out + i, _mm256_sub_ps(s, back));
+    _mm256_storeu_ps(r_out + i, residual8(s, r, rin));
   }
   accumulateEncodeEFScalar(in + i, x + i, scale, r_in + i, r_out + i, out + i, n - i);
 }
@@ -234,6 +207,15 @@ XR_AVX512 inline __m256i cvt16(__m512 s) {
 
 XR_AVX512 inline __m512 widen16(__m256i b) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// r_out of 16 lanes (elements.h: efRound): s - f32(o), or r_in where a finite s rounded to +-inf.
+XR_AVX512 inline __m512 residual16(__m512 s, __m256i o, __m512 rin) {
+  const __m512i absu = _mm512_and_si512(_mm512_castps_si512(s), _mm512_set1_epi32(0x7FFFFFFF));
+  const __mmask16 finite = _mm512_cmplt_epu32_mask(absu, _mm512_set1_epi32(0x7F800000));
+  const __mmask16 toInf = _mm256_cmpeq_epi16_mask(_mm256_and_si256(o, _mm256_set1_epi16(0x7FFF)),
+                                                  _mm256_set1_epi16(0x7F80));
+  return _mm512_mask_blend_ps(finite & toInf, _mm512_sub_ps(s, widen16(o)), rin);
 }
 
 XR_AVX512 inline __mmask16 tailMask(int64_t rem) {
@@ -279,10 +261,11 @@ XR_AVX512 void decodeAccumulateAVX512(const uint16_t* in, float* acc, int64_t n)
 XR_AVX512 inline void encodeEF16(const float* x, __m512 vs, const float* r_in, float* r_out,
                                  uint16_t* out, __mmask16 k) {
   const __m512 p = opaque16(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x), vs));
-  const __m512 s = _mm512_add_ps(p, _mm512_maskz_loadu_ps(k, r_in));
+  const __m512 rin = _mm512_maskz_loadu_ps(k, r_in);
+  const __m512 s = _mm512_add_ps(p, rin);
   const __m256i o = cvt16(s);
   _mm256_mask_storeu_epi16(out, k, o);
-  _mm512_mask_storeu_ps(r_out, k, _mm512_sub_ps(s, widen16(o)));
+  _mm512_mask_storeu_ps(r_out, k, residual16(s, o, rin));
 }
 
 XR_AVX512 void encodeEFAVX512(const float* x, float scale, const float* r_in, float* r_out,
@@ -300,11 +283,12 @@ XR_AVX512 inline void accumulateEncodeEF16(const uint16_t* in, const float* x, _
                                            __mmask16 k) {
   const __m512 d = widen16(_mm256_maskz_loadu_epi16(k, in));
   const __m512 p = opaque16(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x), vs));
-  const __m512 t = _mm512_add_ps(p, _mm512_maskz_loadu_ps(k, r_in));
+  const __m512 rin = _mm512_maskz_loadu_ps(k, r_in);
+  const __m512 t = _mm512_add_ps(p, rin);
   const __m512 s = _mm512_add_ps(d, t);
   const __m256i o = cvt16(s);
   _mm256_mask_storeu_epi16(out, k, o);
-  _mm512_mask_storeu_ps(r_out, k, _mm512_sub_ps(s, widen16(o)));
+  _mm512_mask_storeu_ps(r_out, k, residual16(s, o, rin));
 }
 
 XR_AVX512 void accumulateEncodeEFAVX512(const uint16_t* in, const float* x, float scale,
@@ -410,9 +394,9 @@ void setPathForTesting(Path p) {
   gPath.store(static_cast<int>(p), std::memory_order_release);
 }
 
-uint16_t f32ToBf16(float x) { return rneBits(bitsOf(x)); }
+uint16_t f32ToBf16(float x) { return el::f32ToBf16(x); }
 
-float bf16ToF32(uint16_t b) { return widen(b); }
+float bf16ToF32(uint16_t b) { return el::bf16ToF32(b); }
 
 void encode(const float* x, uint16_t* out, int64_t n) {
   checkN(n, "encode");

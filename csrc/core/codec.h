@@ -16,7 +16,9 @@
 //   * NaN -> quiet NaN keeping the sign and the top 7 payload bits: (bits >> 16) | 0x0040.
 // bf16 -> fp32 is exact: bits << 16 (NaN payloads, signalling or not, are kept as they are).
 //
-// Paths: scalar (reference), AVX2 (integer RNE on 8 lanes) and AVX-512 BF16 (VCVTNEPS2BF16 on
+// The per-element arithmetic is core/elements.h's, shared with the CUDA kernels (cuda/kernels.cu).
+//
+// Paths: scalar (reference: elements.h's functions), AVX2 (integer RNE on 8 lanes) and AVX-512 BF16 (VCVTNEPS2BF16 on
 // 16 lanes, with denormal and NaN lanes patched to the integer RNE result). All paths give the
 // same bits as scalar for every input, provided each floating-point add/multiply has at most one
 // NaN operand. (When two NaNs meet in one add/multiply, x86 returns the first operand's payload
@@ -68,15 +70,19 @@ void decodeAccumulate(const uint16_t* in, float* acc, int64_t n);
 // Fused error-feedback encode (first hop of the compressed ring):
 //   s = x*scale + r_in;  out = bf16(s);  r_out = s - f32(out)
 // For finite s with finite out, s == f32(out) + r_out exactly. A finite s beyond the bf16
-// range gives out = +-inf and r_out = -+inf (callers must treat non-finite outputs as a
-// skipped step and not commit the residual).
+// range (|s| >= 0x7F7F8000, e.g. FLT_MAX) gives out = +-inf and r_out = r_in: the rounding error
+// is infinite, so the element's residual is left as it was instead of becoming -+inf and
+// poisoning every later step (finite operands never give a non-finite residual). Callers treat
+// a non-finite output as a skipped step and do not commit the residual. An inf or NaN s gives a
+// NaN residual.
 // r_out may alias r_in.
 void encodeEF(const float* x, float scale, const float* r_in, float* r_out, uint16_t* out,
               int64_t n);
 
 // Later hops and the owner's final rounding:
 //   s = f32(in) + (x*scale + r_in);  out = bf16(s);  r_out = s - f32(out)
-// (evaluated in that order: p = x*scale; t = p + r_in; s = f32(in) + t).
+// (evaluated in that order: p = x*scale; t = p + r_in; s = f32(in) + t), with encodeEF's
+// rounding and overflow rule (a finite s that rounds to +-inf leaves r_out = r_in).
 // r_out may alias r_in; out may alias in.
 void accumulateEncodeEF(const uint16_t* in, const float* x, float scale, const float* r_in,
                         float* r_out, uint16_t* out, int64_t n);

@@ -29,13 +29,13 @@ namespace xirang {
 class Scratch {
  public:
   // At least `bytes` bytes for `slot` (0..3) from `reducer`, kept until a larger request for the
-  // same slot.
+  // same slot or a request from another reducer (another memory).
   uint8_t* get(size_t slot, size_t bytes, algo::Reducer& reducer = algo::hostReducer());
 
  private:
-  using Buf = std::unique_ptr<uint8_t[], void (*)(uint8_t*)>;
-  Buf bufs_[4] = {Buf(nullptr, nullptr), Buf(nullptr, nullptr), Buf(nullptr, nullptr), Buf(nullptr, nullptr)};
+  algo::Buffer bufs_[4];
   size_t caps_[4] = {0, 0, 0, 0};
+  const algo::Reducer* owners_[4] = {nullptr, nullptr, nullptr, nullptr};  // whose memory bufs_ are
 };
 
 // Who takes part and how: membership is data (#8 rebuilds it without a failed rank).
@@ -125,6 +125,19 @@ void allreduce16(const Comm& comm, const OpCtx& ctx, uint16_t* data, int64_t num
 // leaves the residual untouched). On return x holds the decoded bf16 average, bitwise identical
 // on all ranks. Wire bytes per rank: 2 * 2(N-1)/N * n.
 void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n);
+
+// The direct form of the same compressed allreduce (the default over NCCL; usable over any link):
+// every rank encodes its whole buffer once, out = bf16(x/N + r_in) with r_out = the rounding
+// error (error feedback at the sender), sends chunk q of its bf16 buffer straight to the chunk's
+// owner ring[q] (ring::partition's chunks), the owner decodes the N contributions and sums them in
+// fp32 in rank order, rounds the sum once to bf16 (adding its own residual of that chunk first
+// and keeping the new rounding error as its residual, so nothing is lost:
+// sum_t y_t + sum_i r_i = sum_t sum_i x_(i,t)/N up to fp32 rounding), and a ring allgather of the
+// bf16 chunks follows. One rounding of each contribution and one of each sum, against one per hop
+// on the ring; 2(N-1)/N x 2n bytes per rank as the ring, but N-1 peers at once in the first
+// phase. Aliasing, non-finite handling and the result's bits across ranks as allreduceBF16EF.
+void allreduceBF16EFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
+                           int64_t n);
 
 // Broadcast `bytes` at `data` from group rank `root` along the ring (pipelined chain of segments).
 void broadcast(const Comm& comm, const OpCtx& ctx, void* data, uint64_t bytes, int root);

@@ -1,5 +1,7 @@
 #include "core/reduce.h"
 
+#include "core/elements.h"
+
 #include <cmath>
 #include <complex>
 #include <cstring>
@@ -102,84 +104,45 @@ std::string checkReduceOp(DType t, ReduceOp op) {
 
 namespace {
 
-template <typename T>
+template <ReduceOp Op, typename T, bool kBool = false>
+void loop(T* d, const T* s, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = el::reduceElem<Op, T, kBool>(d[i], s[i]);
+}
+
+// The per-element arithmetic is elements.h's (the device kernels run the same functions), except
+// that floating SUM and PRODUCT are the plain operators here, which the compiler vectorises: on
+// x86 they give exactly el::add / el::mul's bits, NaNs included (test_elements.cc checks).
+template <typename T, bool kBool = false>
 void reduceTyped(T* d, const T* s, int64_t n, ReduceOp op) {
-  if constexpr (std::is_integral_v<T> && std::is_signed_v<T>) {
-    // Signed overflow is undefined in C++; torch wraps around. Do it in the unsigned type.
-    using U = std::conditional_t<(sizeof(T) < 4), uint32_t, std::make_unsigned_t<T>>;
+  constexpr bool kFloating = std::is_floating_point_v<T> || std::is_same_v<T, std::complex<float>> ||
+                             std::is_same_v<T, std::complex<double>>;
+  if constexpr (kFloating) {
     if (op == ReduceOp::Sum) {
-      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(static_cast<U>(d[i]) + static_cast<U>(s[i]));
+      for (int64_t i = 0; i < n; ++i) d[i] = d[i] + s[i];
       return;
     }
     if (op == ReduceOp::Product) {
-      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(static_cast<U>(d[i]) * static_cast<U>(s[i]));
-      return;
-    }
-  }
-  switch (op) {
-    case ReduceOp::Sum:
-      for (int64_t i = 0; i < n; ++i) d[i] = d[i] + s[i];
-      return;
-    case ReduceOp::Product:
       for (int64_t i = 0; i < n; ++i) d[i] = d[i] * s[i];
       return;
-    default:
-      break;
+    }
   }
   if constexpr (std::is_floating_point_v<T>) {
-    if (op == ReduceOp::Min) {
-      for (int64_t i = 0; i < n; ++i)
-        d[i] = (std::isnan(d[i]) || std::isnan(s[i])) ? d[i] + s[i] : (s[i] < d[i] ? s[i] : d[i]);
-      return;
-    }
-    if (op == ReduceOp::Max) {
-      for (int64_t i = 0; i < n; ++i)
-        d[i] = (std::isnan(d[i]) || std::isnan(s[i])) ? d[i] + s[i] : (s[i] > d[i] ? s[i] : d[i]);
-      return;
-    }
-  } else if constexpr (std::is_integral_v<T>) {
+    if (op == ReduceOp::Min) return loop<ReduceOp::Min>(d, s, n);
+    if (op == ReduceOp::Max) return loop<ReduceOp::Max>(d, s, n);
+  } else if constexpr (!kFloating) {
     switch (op) {
-      case ReduceOp::Min:
-        for (int64_t i = 0; i < n; ++i) d[i] = s[i] < d[i] ? s[i] : d[i];
-        return;
-      case ReduceOp::Max:
-        for (int64_t i = 0; i < n; ++i) d[i] = s[i] > d[i] ? s[i] : d[i];
-        return;
-      case ReduceOp::BAnd:
-        for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(d[i] & s[i]);
-        return;
-      case ReduceOp::BOr:
-        for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(d[i] | s[i]);
-        return;
-      case ReduceOp::BXor:
-        for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(d[i] ^ s[i]);
-        return;
-      default:
-        break;
+      case ReduceOp::Sum: return loop<ReduceOp::Sum, T, kBool>(d, s, n);
+      case ReduceOp::Product: return loop<ReduceOp::Product, T, kBool>(d, s, n);
+      case ReduceOp::Min: return loop<ReduceOp::Min, T, kBool>(d, s, n);
+      case ReduceOp::Max: return loop<ReduceOp::Max, T, kBool>(d, s, n);
+      case ReduceOp::BAnd: return loop<ReduceOp::BAnd, T, kBool>(d, s, n);
+      case ReduceOp::BOr: return loop<ReduceOp::BOr, T, kBool>(d, s, n);
+      case ReduceOp::BXor: return loop<ReduceOp::BXor, T, kBool>(d, s, n);
+      default: break;
     }
   }
-  throw std::invalid_argument(std::string("xirang: reduce op ") + reduceOpName(op) +
-                              " not supported here");
-}
-
-void reduceBool(uint8_t* d, const uint8_t* s, int64_t n, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum:
-    case ReduceOp::Max:
-    case ReduceOp::BOr:
-      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint8_t>((d[i] | s[i]) != 0);
-      return;
-    case ReduceOp::Min:
-    case ReduceOp::Product:
-    case ReduceOp::BAnd:
-      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint8_t>((d[i] != 0) && (s[i] != 0));
-      return;
-    case ReduceOp::BXor:
-      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint8_t>((d[i] != 0) != (s[i] != 0));
-      return;
-    default:
-      throw std::invalid_argument("xirang: reduce op not supported on bool");
-  }
+  throw std::invalid_argument(std::string("xirang: reduce op ") + reduceOpName(op) + " not supported here" +
+                              (kBool ? " on bool" : ""));
 }
 
 }  // namespace
@@ -196,7 +159,7 @@ void reduceInto(void* dst, const void* src, int64_t n, DType t, ReduceOp op) {
     case DType::Int32: return reduceTyped(static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), n, op);
     case DType::Int64: return reduceTyped(static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), n, op);
     case DType::UInt8: return reduceTyped(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, op);
-    case DType::Bool: return reduceBool(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, op);
+    case DType::Bool: return reduceTyped<uint8_t, true>(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, op);
     case DType::Complex64:
       return reduceTyped(static_cast<std::complex<float>*>(dst), static_cast<const std::complex<float>*>(src), n, op);
     case DType::Complex128:
@@ -207,43 +170,9 @@ void reduceInto(void* dst, const void* src, int64_t n, DType t, ReduceOp op) {
   }
 }
 
-namespace {
-inline float bitsToFloat(uint32_t w) {
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
-inline uint32_t floatToBits(float f) {
-  uint32_t w;
-  std::memcpy(&w, &f, 4);
-  return w;
-}
-}  // namespace
+float halfToFloat(uint16_t h) { return el::halfToFloat(h); }
 
-float halfToFloat(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t two_w = w + w;
-  const float normalized = bitsToFloat((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float denormalized = bitsToFloat((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t result = sign | (two_w < (1u << 27) ? floatToBits(denormalized) : floatToBits(normalized));
-  return bitsToFloat(result);
-}
-
-uint16_t floatToHalf(float f) {
-  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  const uint32_t w = floatToBits(f);
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & 0x80000000u;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
-  base = bitsToFloat((bias >> 1) + 0x07800000u) + base;
-  const uint32_t bits = floatToBits(base);
-  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
-  const uint32_t mantissa_bits = bits & 0x00000FFFu;
-  const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
+uint16_t floatToHalf(float f) { return el::floatToHalf(f); }
 
 void scale(void* x, int64_t n, DType t, double factor) {
   switch (t) {

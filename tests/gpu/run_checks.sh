@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# GPU checks of issue #5 on one GPU machine (sized for one H200, 16 cores, 5 minutes):
+# GPU checks of issues #5 and #17 on one GPU machine (sized for one H200, 16 cores, under 6 minutes):
 #
 #     bash tests/gpu/run_checks.sh          # results under $XIRANG_GPU_OUT (default ./gpu-results)
 #
-# Uses the python with torch there ($PY, default python3; torch 2.11 CUDA 13 expected; installs
-# torch==2.11.* if it has no CUDA torch). Steps, each with a time limit, each writing its log and
-# a PASS/FAIL/SKIP line to $OUT/summary.txt as it goes (partial results survive a kill):
-#   build        pip install --no-build-isolation --no-deps . (XIRANG_BUILD_CUDA=1, MAX_JOBS=16)
+# Uses the python with torch there ($PY, default python3; a CUDA torch expected; installs
+# torch==$XIRANG_CUDA_TORCH, default 2.14.1, if it has none). Steps, each with a time limit, each
+# writing its log and a PASS/FAIL/SKIP line to $OUT/summary.txt as it goes (partial results
+# survive a kill):
+#   build        pip install --no-build-isolation --no-deps . (XIRANG_BUILD_CUDA=1, MAX_JOBS=16),
+#                and alongside it (native) tests/gpu/device_checks.cc with nvcc -arch=native over
+#                the core library (cmake target xirang_core) and cuda/{kernels.cu,cuda_api,nccl_api}
+#   device_kernels  every kernel of core/device/kernels.h on the GPU == the host grid emulator
+#                (device_checks kernels: every dtype x op, sizes 0 .. 2^20 + 3, edge values)
+#   device_nccl  a one-rank communicator of the real libnccl.so.2 (torch's wheel): send/recv to
+#                itself, every core collective over NcclLink + DeviceReducer == the host engine,
+#                abort (device_checks nccl)
 #   kernel_bits  CUDA kernels == CPU codec bits (tests/gpu/check_kernels.py bits)
 #   kernel_speed kernels vs device-to-device copy at 256 MiB, target >= 0.8 (check_kernels.py speed)
 #   collectives  4 ranks on GPU 0, host-staged: == CPU path bitwise; allreduce behind a long kernel
@@ -23,7 +31,7 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 PY="${PY:-python3}"
 export MAX_JOBS="${MAX_JOBS:-16}"
-budget="${XIRANG_GPU_BUDGET_S:-300}"
+budget="${XIRANG_GPU_BUDGET_S:-340}"
 start=$(date +%s)
 failed=0
 summary="$OUT/summary.txt"
@@ -51,9 +59,10 @@ step() {
 }
 
 # --- torch ------------------------------------------------------------------------------------
+torch_version="${XIRANG_CUDA_TORCH:-2.14.1}"
 if ! "$PY" -c "import torch; assert torch.version.cuda and torch.cuda.is_available()" 2>/dev/null; then
-    note "installing torch==2.11.* (no CUDA torch / no GPU seen by $PY)"
-    "$PY" -m pip install -q "torch==2.11.*" > "$OUT/torch-install.log" 2>&1 || note "FAIL torch install"
+    note "installing torch==$torch_version (no CUDA torch / no GPU seen by $PY)"
+    "$PY" -m pip install -q "torch==$torch_version" > "$OUT/torch-install.log" 2>&1 || note "FAIL torch install"
 fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.get_device_name(0))" \
     2>&1 | tee -a "$summary"
@@ -64,13 +73,35 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 if ! "$PY" -c "import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split('.')[:2])) < (77, 0))" 2>/dev/null; then
     "$PY" -m pip install -q "setuptools>=77" > "$OUT/setuptools-install.log" 2>&1 || note "FAIL setuptools>=77 install"
 fi
-if ! step build 170 env XIRANG_BUILD_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -v "$root"; then
+# The native checks' build runs alongside the extension's (half the cores each).
+site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)"
+nccl_dir="$site/nvidia/nccl"
+native="$root/build/gpu-native"
+(step native 200 bash -c "mkdir -p '$native' && cmake -S '$root' -B '$native' -DCMAKE_BUILD_TYPE=Release \
+    && cmake --build '$native' --target xirang_core -j$(( MAX_JOBS / 2 )) \
+    && cd '$root' && '${CUDA_HOME:+$CUDA_HOME/bin/}nvcc' -std=c++20 -O2 --fmad=false -arch=native -Icsrc -Itests/cpp -isystem '$nccl_dir/include' \
+       -DXIRANG_HAVE_NCCL_H tests/gpu/device_checks.cc csrc/cuda/cuda_api.cc csrc/cuda/nccl_api.cc \
+       csrc/cuda/kernels.cu '$native/libxirang_core.a' -ldl -o '$native/device_checks'") &
+native_pid=$!
+if ! step build 170 env XIRANG_BUILD_CUDA=1 MAX_JOBS=$(( MAX_JOBS / 2 )) "$PY" -m pip install --no-build-isolation \
+        --no-deps -v "$root"; then
     note "build failed: nothing else can run"
+    wait "$native_pid"
     exit 1
 fi
+wait "$native_pid" || failed=$((failed + 1))
 (cd /tmp && "$PY" -c "import xirang; print(xirang.build_info())") 2>&1 | tee -a "$summary"
 
 # --- checks -----------------------------------------------------------------------------------
+# The native checks (no torch): the kernels against the grid emulator; real NCCL, one rank.
+if [ -x "$native/device_checks" ]; then
+    step device_kernels 60 "$native/device_checks" kernels
+    grep -h "FAIL" "$OUT/device_kernels.log" >> "$summary" 2>/dev/null
+    step device_nccl 60 env XIRANG_NCCL_LIBRARY="$nccl_dir/lib/libnccl.so.2" "$native/device_checks" nccl
+    grep -h "device_checks:" "$OUT/device_nccl.log" >> "$summary" 2>/dev/null
+else
+    note "SKIP device_kernels, device_nccl (the native build failed: native.log)"
+fi
 # The CPU reference of the bit check is the scalar codec (the AVX paths give the same bits).
 step kernel_bits 60 env XIRANG_CODEC=scalar "$PY" "$root/tests/gpu/check_kernels.py" "$OUT" bits
 step kernel_speed 40 "$PY" "$root/tests/gpu/check_kernels.py" "$OUT" speed

@@ -39,9 +39,11 @@ algo::ChunkFn partitionChunks(uint8_t* base, const std::vector<ring::Range>& chu
 
 uint8_t* Scratch::get(size_t slot, size_t bytes, algo::Reducer& reducer) {
   if (slot >= 4) throw std::logic_error("xirang: scratch slot out of range");
-  if (bytes > caps_[slot] || !bufs_[slot]) {
+  if (bytes > caps_[slot] || !bufs_[slot] || owners_[slot] != &reducer) {
+    bufs_[slot].reset();  // returned before the new one is taken: peak memory is one buffer
     bufs_[slot] = reducer.allocate(std::max<size_t>(bytes, 1));
     caps_[slot] = bytes;
+    owners_[slot] = &reducer;
   }
   return bufs_[slot].get();
 }
@@ -255,6 +257,66 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
   ph.encode_s += hop_codec_s;
   ph.scatter_reduce_s += between(t1, t2) - hop_codec_s;
   ph.allgather_s += between(t2, t3);
+}
+
+void allreduceBF16EFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
+                           int64_t numel) {
+  const int n = comm.size();
+  const float scale = 1.0f / static_cast<float>(n);
+  algo::Reducer& red = *comm.reducer;
+  uint16_t* wire = reinterpret_cast<uint16_t*>(comm.scratchBytes(1, static_cast<size_t>(numel) * 2));
+  Phases dummy;
+  Phases& ph = ctx.phases ? *ctx.phases : dummy;
+  ph.algorithm = "direct_bf16_ef";
+  auto t0 = Clock::now();
+  red.encodeEF(x, scale, r_in, r_out, wire, numel);  // the sender's rounding, fed back through r_out
+  ph.encode_s += since(t0);
+  if (n <= 1) {
+    auto t1 = Clock::now();
+    red.decode(wire, x, numel);
+    ph.decode_s += since(t1);
+    return;
+  }
+  const int pos = comm.position();
+  const auto chunks = ring::partition(numel, n);
+  const auto& mine = chunks[static_cast<size_t>(pos)];
+  const auto order = rankOrder(comm);
+  // Slot k: the bf16 contribution of the k-th member in rank order to this rank's chunk.
+  uint16_t* slots = reinterpret_cast<uint16_t*>(comm.scratchBytes(2, static_cast<size_t>(mine.count) * 2 * n));
+  auto slotOf = [&](int r) { return slots + mine.count * static_cast<int64_t>(indexIn(order, r)); };
+  red.copy(slotOf(comm.rank), wire + mine.offset, static_cast<uint64_t>(mine.count) * 2);
+  const uint64_t seg = algo::segmentBytes(comm, 2);
+  std::vector<SendJob> sends;
+  std::vector<RecvJob> recvs;
+  for (int q = 0; q < n; ++q) {
+    const int r = comm.ring[q];
+    if (r == comm.rank) continue;
+    sends.push_back(SendJob{r, headerFor(ctx, 2),
+                            algo::sendSegments(wire + chunks[q].offset, static_cast<uint64_t>(chunks[q].count) * 2, seg)});
+    recvs.push_back(RecvJob{r, headerFor(ctx, 2),
+                            algo::recvSegments(slotOf(r), static_cast<uint64_t>(mine.count) * 2, seg), nullptr});
+  }
+  auto t1 = Clock::now();
+  runExchange(comm, ctx, sends, recvs);
+  auto t2 = Clock::now();
+  // fp32 sum in rank order (the same operands in the same order on every path), one rounding.
+  float* acc = reinterpret_cast<float*>(comm.scratchBytes(3, static_cast<size_t>(mine.count) * 4));
+  red.decode(slots, acc, mine.count);
+  for (int k = 1; k < n; ++k) red.decodeAccumulate(slots + mine.count * static_cast<int64_t>(k), acc, mine.count);
+  red.encodeEF(acc, 1.0f, r_out + mine.offset, r_out + mine.offset, wire + mine.offset, mine.count);
+  auto t3 = Clock::now();
+  // Position q owns chunks[q]; in the ring allgather's layout that is ring chunk q+1.
+  algo::allgather(comm, ctx, 2, [&](int c) {
+    const auto& r = chunks[static_cast<size_t>((c - 1 + n) % n)];
+    return RecvSeg{wire + r.offset, static_cast<uint64_t>(r.count) * 2};
+  });
+  auto t4 = Clock::now();
+  // Every rank, the owner included, decodes the same bf16 values: replicas are bitwise equal.
+  red.decode(wire, x, numel);
+  ph.decode_s += since(t4);
+  ph.encode_s += between(t2, t3);
+  ph.scatter_reduce_s += between(t1, t2);
+  ph.allgather_s += between(t3, t4);
 }
 
 }  // namespace xirang

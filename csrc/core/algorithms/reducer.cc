@@ -1,11 +1,11 @@
 #include "core/algorithms/reducer.h"
 
-#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "core/codec.h"
+#include "core/elements.h"
 #include "core/reduce.h"
 
 namespace xirang::algo {
@@ -15,9 +15,9 @@ namespace {
 class HostReducer : public Reducer {
  public:
   transport::Memory memory() const override { return transport::Memory::Host; }
-  std::unique_ptr<uint8_t[], void (*)(uint8_t*)> allocate(size_t bytes) override {
+  Buffer allocate(size_t bytes) override {
     // new uint8_t[] (default-initialised): no zeroing pass over what the algorithm overwrites.
-    return {new uint8_t[bytes], [](uint8_t* p) { delete[] p; }};
+    return Buffer(new uint8_t[bytes], [](uint8_t* p) { delete[] p; });
   }
   void reduceInto(void* dst, const void* src, int64_t n, DType t, ReduceOp op) override {
     xirang::reduceInto(dst, src, n, t, op);
@@ -34,43 +34,49 @@ class HostReducer : public Reducer {
     codec::accumulateEncodeEF(in, x, s, r_in, r_out, out, n);
   }
   void decode(const uint16_t* in, float* out, int64_t n) override { codec::decode(in, out, n); }
+  void decodeAccumulate(const uint16_t* in, float* acc, int64_t n) override { codec::decodeAccumulate(in, acc, n); }
 
   void combine16(const uint16_t* slots, int contributors, int64_t count, DType t, ReduceOp op, float pre, float post,
                  uint16_t* out) override {
     const bool half = check16(t);
-    auto toF = [half](uint16_t v) { return half ? halfToFloat(v) : codec::bf16ToF32(v); };
-    auto fromF = [half](float v) { return half ? floatToHalf(v) : codec::f32ToBf16(v); };
-    auto fold = [op](float a, float b) {
-      switch (op) {
-        case ReduceOp::Sum: return a + b;
-        case ReduceOp::Product: return a * b;
-        case ReduceOp::Min: return (std::isnan(a) || std::isnan(b)) ? a + b : (b < a ? b : a);
-        case ReduceOp::Max: return (std::isnan(a) || std::isnan(b)) ? a + b : (b > a ? b : a);
-        default: throw std::invalid_argument(std::string("xirang: 16-bit reduction: ") + reduceOpName(op));
-      }
-    };
-    for (int64_t i = 0; i < count; ++i) {
-      float acc = toF(slots[i]) * pre;
-      for (int k = 1; k < contributors; ++k) acc = fold(acc, toF(slots[count * k + i]) * pre);
-      out[i] = fromF(acc * post);
+    switch (op) {
+      case ReduceOp::Sum: return half ? fold16<true, ReduceOp::Sum>(slots, contributors, count, pre, post, out)
+                                      : fold16<false, ReduceOp::Sum>(slots, contributors, count, pre, post, out);
+      case ReduceOp::Product:
+        return half ? fold16<true, ReduceOp::Product>(slots, contributors, count, pre, post, out)
+                    : fold16<false, ReduceOp::Product>(slots, contributors, count, pre, post, out);
+      case ReduceOp::Min: return half ? fold16<true, ReduceOp::Min>(slots, contributors, count, pre, post, out)
+                                      : fold16<false, ReduceOp::Min>(slots, contributors, count, pre, post, out);
+      case ReduceOp::Max: return half ? fold16<true, ReduceOp::Max>(slots, contributors, count, pre, post, out)
+                                      : fold16<false, ReduceOp::Max>(slots, contributors, count, pre, post, out);
+      default: throw std::invalid_argument(std::string("xirang: 16-bit reduction: ") + reduceOpName(op));
     }
   }
   void widen(const uint16_t* in, float* out, int64_t n, DType t) override {
     if (check16(t)) {
-      for (int64_t i = 0; i < n; ++i) out[i] = halfToFloat(in[i]);
+      for (int64_t i = 0; i < n; ++i) out[i] = el::halfToFloat(in[i]);
     } else {
       codec::decode(in, out, n);
     }
   }
   void narrow(const float* in, uint16_t* out, int64_t n, DType t) override {
     if (check16(t)) {
-      for (int64_t i = 0; i < n; ++i) out[i] = floatToHalf(in[i]);
+      for (int64_t i = 0; i < n; ++i) out[i] = el::floatToHalf(in[i]);
     } else {
       codec::encode(in, out, n);
     }
   }
 
  private:
+  // elements.h's per-element fold, the same the device kernel (device/kernels.h: Combine16) runs.
+  template <bool kHalf, ReduceOp Op>
+  static void fold16(const uint16_t* slots, int contributors, int64_t count, float pre, float post, uint16_t* out) {
+    for (int64_t i = 0; i < count; ++i) {
+      float acc = el::mul(el::to32<kHalf>(slots[i]), pre);
+      for (int k = 1; k < contributors; ++k) acc = el::fold<Op>(acc, el::mul(el::to32<kHalf>(slots[count * k + i]), pre));
+      out[i] = el::from32<kHalf>(el::mul(acc, post));
+    }
+  }
   static bool check16(DType t) {  // true: float16, false: bfloat16
     if (t != DType::Float16 && t != DType::BFloat16)
       throw std::invalid_argument(std::string("xirang: expected float16 or bfloat16, not ") + dtypeName(t));

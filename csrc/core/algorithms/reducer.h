@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "core/dtype.h"
@@ -17,12 +18,16 @@
 
 namespace xirang::algo {
 
+// Working memory of a reducer; its deleter returns it (a device reducer: stream-ordered, after the
+// work already enqueued on its stream).
+using Buffer = std::unique_ptr<uint8_t[], std::function<void(uint8_t*)>>;
+
 class Reducer {
  public:
   virtual ~Reducer() = default;
   virtual transport::Memory memory() const = 0;
   // `bytes` of uninitialised working memory (never zero-filled: no pass over it).
-  virtual std::unique_ptr<uint8_t[], void (*)(uint8_t*)> allocate(size_t bytes) = 0;
+  virtual Buffer allocate(size_t bytes) = 0;
 
   // dst[i] = op(dst[i], src[i]): Sum, Product, Min, Max, BAnd, BOr, BXor (reduce.h's rules;
   // no 16-bit floats: see combine16).
@@ -37,6 +42,8 @@ class Reducer {
   virtual void accumulateEncodeEF(const uint16_t* in, const float* x, float scale, const float* r_in, float* r_out,
                                   uint16_t* out, int64_t n) = 0;
   virtual void decode(const uint16_t* in, float* out, int64_t n) = 0;
+  // acc[i] = acc[i] + f32(in[i]) (the direct compressed allreduce's fp32 sum at the owner).
+  virtual void decodeAccumulate(const uint16_t* in, float* acc, int64_t n) = 0;
 
   // 16-bit floats (t = Float16 or BFloat16) reduced once: out[i] = round16(post * fold_k(op,
   // pre * f32(slots[k*count + i]))) over k = 0..contributors-1 in that order, in fp32. Sum,

@@ -1,0 +1,376 @@
+// The NCCL link: see nccl_link.h.
+#include "core/transport/nccl_link.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+namespace xirang::transport {
+
+namespace dv = xirang::device;
+
+namespace {
+
+// Polling: spin briefly (a GPU round trip is microseconds), then sleep up to 200 us per poll so
+// that a waiting host thread leaves the CPU to the work it waits for.
+class Backoff {
+ public:
+  void pause() {
+    if (n_ < 64) {
+      ++n_;
+      std::this_thread::yield();
+      return;
+    }
+    us_ = std::min(us_ * 2, 200);
+    std::this_thread::sleep_for(std::chrono::microseconds(us_));
+  }
+
+ private:
+  int n_ = 0;
+  int us_ = 1;
+};
+
+std::string ncclWhat(dv::NcclApi& nccl, dv::NcclComm comm, int result) {
+  std::string s = std::string("NCCL error ") + std::to_string(result) + " (" + nccl.errorString(result) + ")";
+  const std::string last = nccl.lastError(comm);
+  if (!last.empty()) s += ": " + last;
+  return s;
+}
+
+void putU64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint64_t getU64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+template <class Seg>
+uint64_t totalBytes(const std::vector<Seg>& segs) {
+  uint64_t t = 0;
+  for (const auto& s : segs) t += s.bytes;
+  return t;
+}
+
+// The 64-byte agreement record of one job: its header with payload_bytes = the job's bytes, then
+// the segment count and the first segment's size.
+template <class Seg>
+void encodeRecord(const FrameHeader& h, const std::vector<Seg>& segs, uint8_t* out) {
+  FrameHeader x = h;
+  x.payload_bytes = totalBytes(segs);
+  encodeHeader(x, out);
+  putU64(out + kHeaderBytes, segs.size());
+  putU64(out + kHeaderBytes + 8, segs.empty() ? 0 : segs[0].bytes);
+}
+
+}  // namespace
+
+dv::NcclUniqueId shareNcclUniqueId(dv::NcclApi& nccl, Store& store, const std::string& key, int rank,
+                                   Deadline deadline) {
+  dv::NcclUniqueId id;
+  if (rank == 0) {
+    const int r = nccl.getUniqueId(&id);
+    if (r != dv::kNcclSuccess) throw TransportError("ncclGetUniqueId: " + ncclWhat(nccl, nullptr, r), -1);
+    store.set(key, std::string(id.internal, sizeof id.internal));
+    return id;
+  }
+  const std::string v = store.get(key, deadline);
+  if (v.size() != sizeof id.internal)
+    throw TransportError("NCCL unique id under store key '" + key + "' has " + std::to_string(v.size()) +
+                             " bytes, expected " + std::to_string(sizeof id.internal),
+                         0);
+  std::memcpy(id.internal, v.data(), sizeof id.internal);
+  return id;
+}
+
+dv::NcclComm initNcclComm(dv::NcclApi& nccl, const dv::NcclUniqueId& id, int rank, int size, Deadline deadline,
+                          const std::string& name) {
+  dv::NcclConfig cfg;
+  cfg.blocking = false;
+  cfg.comm_name = name;
+  dv::NcclComm comm = nullptr;
+  const std::string what = "NCCL communicator" + (name.empty() ? std::string() : " '" + name + "'") + " (rank " +
+                           std::to_string(rank) + " of " + std::to_string(size) + ")";
+  int r = nccl.commInitRankConfig(&comm, size, id, rank, cfg);
+  if (r != dv::kNcclSuccess && r != dv::kNcclInProgress) {
+    std::string msg = "ncclCommInitRankConfig of " + what + ": " + ncclWhat(nccl, comm, r);
+    if (comm) (void)nccl.commAbort(comm);
+    throw TransportError(msg, -1);
+  }
+  Backoff b;
+  for (;;) {
+    int async = dv::kNcclInProgress;
+    r = nccl.commGetAsyncError(comm, &async);
+    if (r == dv::kNcclSuccess && async == dv::kNcclSuccess) return comm;
+    if (r != dv::kNcclSuccess || async != dv::kNcclInProgress) {
+      const std::string msg = "initialising " + what + ": " + ncclWhat(nccl, comm, r != dv::kNcclSuccess ? r : async);
+      (void)nccl.commAbort(comm);
+      throw TransportError(msg, -1);
+    }
+    if (Clock::now() >= deadline) {
+      (void)nccl.commAbort(comm);
+      throw TimeoutError("timed out initialising " + what + ": not every rank joined (a rank that never calls it?)",
+                         -1);
+    }
+    b.pause();
+  }
+}
+
+NcclLink::NcclLink(dv::NcclApi& nccl, dv::CudaApi& cuda, dv::NcclComm comm, int rank, int size, dv::Stream stream)
+    : nccl_(nccl), cuda_(cuda), comm_(comm), rank_(rank), size_(size), stream_(stream) {
+  if (!comm) throw std::invalid_argument("xirang: NcclLink needs a communicator");
+  if (size < 1 || rank < 0 || rank >= size)
+    throw std::invalid_argument("xirang: NcclLink: rank " + std::to_string(rank) + " of " + std::to_string(size));
+  sent_hdr_.assign(static_cast<size_t>(size), 0);
+  recv_hdr_.assign(static_cast<size_t>(size), 0);
+  const size_t bytes = 2 * static_cast<size_t>(size) * kRecordBytes;
+  void* d = nullptr;
+  void* h = nullptr;
+  callCuda(cuda_.eventCreate(&done_), "cudaEventCreate");
+  callCuda(cuda_.eventCreate(&ready_), "cudaEventCreate");
+  callCuda(cuda_.malloc(&d, bytes), "cudaMalloc (NCCL link header buffer)");
+  hdr_dev_ = static_cast<uint8_t*>(d);
+  callCuda(cuda_.mallocHost(&h, bytes), "cudaMallocHost (NCCL link header buffer)");
+  hdr_host_ = static_cast<uint8_t*>(h);
+}
+
+NcclLink::~NcclLink() {
+  // Idle (nothing pending on the stream): destroy the communicator and free the buffers. Else
+  // abort it, and leave the small header buffers to the process (work still queued on the
+  // stream may write them).
+  bool idle = false;
+  bool was_aborted;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    was_aborted = aborted_;
+  }
+  if (done_ && cuda_.eventRecord(done_, stream_) == dv::kCudaSuccess) {
+    const auto until = Clock::now() + std::chrono::milliseconds(was_aborted ? 20 : 200);
+    Backoff b;
+    for (;;) {
+      const int q = cuda_.eventQuery(done_);
+      if (q == dv::kCudaSuccess) {
+        idle = true;
+        break;
+      }
+      if (q != dv::kCudaErrorNotReady || Clock::now() >= until) break;
+      b.pause();
+    }
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!aborted_) {
+      if (idle) (void)nccl_.commDestroy(comm_);
+      else (void)nccl_.commAbort(comm_);
+      aborted_ = true;
+    }
+  }
+  if (idle) {
+    if (hdr_dev_) (void)cuda_.free(hdr_dev_);
+    if (hdr_host_) (void)cuda_.freeHost(hdr_host_);
+  }
+  if (done_) (void)cuda_.eventDestroy(done_);
+  if (ready_) (void)cuda_.eventDestroy(ready_);
+}
+
+void NcclLink::check() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!stop_why_.empty()) throw TransportError("NCCL link closed: " + stop_why_, -1);
+}
+
+void NcclLink::fail(const std::string& what, bool timeout, int peer) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (stop_why_.empty()) stop_why_ = what;
+    if (!aborted_) {
+      (void)nccl_.commAbort(comm_);
+      aborted_ = true;
+    }
+  }
+  if (timeout) throw TimeoutError(what, peer);
+  throw TransportError(what, peer);
+}
+
+void NcclLink::callCuda(int result, const char* call) {
+  if (result == dv::kCudaSuccess) return;
+  const std::string msg = std::string(call) + ": CUDA error " + std::to_string(result) + " (" +
+                          cuda_.errorString(result) + ")";
+  if (comm_ && hdr_host_) fail(msg, false);  // constructed: the link is done
+  throw TransportError(msg, -1);
+}
+
+void NcclLink::callNccl(int result, const char* call, Deadline deadline) {
+  if (result == dv::kNcclSuccess) return;
+  if (result != dv::kNcclInProgress) fail(std::string(call) + ": " + ncclWhat(nccl_, comm_, result), false);
+  // Non-blocking communicator: the calls are still being enqueued.
+  Backoff b;
+  for (;;) {
+    check();
+    int async = dv::kNcclInProgress;
+    const int r = nccl_.commGetAsyncError(comm_, &async);
+    if (r != dv::kNcclSuccess) fail(std::string("ncclCommGetAsyncError: ") + ncclWhat(nccl_, comm_, r), false);
+    if (async == dv::kNcclSuccess) return;
+    if (async != dv::kNcclInProgress) fail(std::string(call) + ": " + ncclWhat(nccl_, comm_, async), false);
+    if (Clock::now() >= deadline) fail(std::string("timed out enqueuing ") + call, true);
+    b.pause();
+  }
+}
+
+void NcclLink::grouped(Deadline deadline, const std::function<void()>& calls) {
+  callNccl(nccl_.groupStart(), "ncclGroupStart", deadline);
+  try {
+    calls();
+  } catch (...) {
+    (void)nccl_.groupEnd();  // close this thread's group whatever failed inside it
+    throw;
+  }
+  callNccl(nccl_.groupEnd(), "ncclGroupEnd", deadline);
+}
+
+void NcclLink::waitIdle(Deadline deadline, const std::string& what) {
+  callCuda(cuda_.eventRecord(done_, stream_), "cudaEventRecord");
+  Backoff b;
+  for (;;) {
+    check();
+    const int q = cuda_.eventQuery(done_);
+    if (q == dv::kCudaSuccess) return;
+    if (q != dv::kCudaErrorNotReady) callCuda(q, "cudaEventQuery");
+    int async = dv::kNcclSuccess;
+    const int r = nccl_.commGetAsyncError(comm_, &async);
+    if (r != dv::kNcclSuccess) fail("ncclCommGetAsyncError: " + ncclWhat(nccl_, comm_, r), false);
+    if (async != dv::kNcclSuccess && async != dv::kNcclInProgress)
+      fail(ncclWhat(nccl_, comm_, async) + " while waiting for " + what, false);
+    if (Clock::now() >= deadline) fail("timed out waiting for " + what + " (rank " + std::to_string(rank_) + ")", true);
+    b.pause();
+  }
+}
+
+void NcclLink::waitStream(dv::Stream producer) {
+  check();
+  if (producer == stream_) return;
+  callCuda(cuda_.eventRecord(ready_, producer), "cudaEventRecord (caller's stream)");
+  callCuda(cuda_.streamWaitEvent(stream_, ready_), "cudaStreamWaitEvent");
+}
+
+void NcclLink::synchronize(Deadline deadline) {
+  check();
+  waitIdle(deadline, "the NCCL link's stream");
+}
+
+void NcclLink::headerRound(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline) {
+  uint8_t* hs = hdr_host_;
+  uint8_t* hr = hdr_host_ + static_cast<size_t>(size_) * kRecordBytes;
+  uint8_t* ds = hdr_dev_;
+  uint8_t* dr = hdr_dev_ + static_cast<size_t>(size_) * kRecordBytes;
+  std::vector<size_t> out, in;  // indices of the jobs that carry a record this time
+  for (size_t i = 0; i < sends.size(); ++i)
+    if (!sent_hdr_[static_cast<size_t>(sends[i].peer)]) out.push_back(i);
+  for (size_t i = 0; i < recvs.size(); ++i)
+    if (!recv_hdr_[static_cast<size_t>(recvs[i].peer)]) in.push_back(i);
+  if (out.empty() && in.empty()) return;
+  if (out.size() > static_cast<size_t>(size_) || in.size() > static_cast<size_t>(size_))
+    throw std::logic_error("xirang: NcclLink: more jobs than peers in one exchange");
+  for (size_t j = 0; j < out.size(); ++j) encodeRecord(sends[out[j]].header, sends[out[j]].segs, hs + j * kRecordBytes);
+  if (!out.empty()) callCuda(cuda_.memcpyAsync(ds, hs, out.size() * kRecordBytes, stream_), "cudaMemcpyAsync");
+  grouped(deadline, [&] {
+    for (size_t j = 0; j < out.size(); ++j)
+      callNccl(nccl_.send(ds + j * kRecordBytes, kRecordBytes, sends[out[j]].peer, comm_, stream_), "ncclSend",
+               deadline);
+    for (size_t j = 0; j < in.size(); ++j)
+      callNccl(nccl_.recv(dr + j * kRecordBytes, kRecordBytes, recvs[in[j]].peer, comm_, stream_), "ncclRecv",
+               deadline);
+  });
+  if (!in.empty()) callCuda(cuda_.memcpyAsync(hr, dr, in.size() * kRecordBytes, stream_), "cudaMemcpyAsync");
+  std::string peers;
+  for (size_t j : in) peers += (peers.empty() ? "" : ", ") + std::to_string(recvs[j].peer);
+  for (size_t j : out) peers += (peers.empty() ? "" : ", ") + std::to_string(sends[j].peer);
+  const FrameHeader& any = !out.empty() ? sends[out[0]].header : recvs[in[0]].expect;
+  waitIdle(deadline, std::string("the agreement headers of ") + opKindName(any.op) + " #" + std::to_string(any.seq) +
+                         " with rank(s) " + peers);
+  for (size_t j : out) sent_hdr_[static_cast<size_t>(sends[j].peer)] = 1;
+  for (size_t j = 0; j < in.size(); ++j) {
+    RecvJob& job = recvs[in[j]];
+    const uint8_t* rec = hr + j * kRecordBytes;
+    uint8_t want[kRecordBytes];
+    encodeRecord(job.expect, job.segs, want);
+    const FrameHeader got = decodeHeader(rec);
+    std::string diff = compareHeader(decodeHeader(want), got, job.peer);
+    if (diff.empty() && std::memcmp(want + kHeaderBytes, rec + kHeaderBytes, 16) != 0)
+      diff = "segment layout mismatch: this rank expects " + std::to_string(getU64(want + kHeaderBytes)) +
+             " segments of " + std::to_string(getU64(want + kHeaderBytes + 8)) + " bytes, rank " +
+             std::to_string(job.peer) + " sends " + std::to_string(getU64(rec + kHeaderBytes)) + " of " +
+             std::to_string(getU64(rec + kHeaderBytes + 8)) + " (XIRANG_SEGMENT_BYTES differs?)";
+    if (!diff.empty()) {
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (stop_why_.empty()) stop_why_ = diff;
+      }
+      throw MismatchError(diff, job.peer);
+    }
+    recv_hdr_[static_cast<size_t>(job.peer)] = 1;
+  }
+}
+
+void NcclLink::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline,
+                        std::vector<PeerTiming>* timings) {
+  check();
+  for (const auto& j : sends)
+    if (j.peer < 0 || j.peer >= size_ || j.peer == rank_)
+      throw std::invalid_argument("xirang: NcclLink: send to rank " + std::to_string(j.peer));
+  for (const auto& j : recvs)
+    if (j.peer < 0 || j.peer >= size_ || j.peer == rank_)
+      throw std::invalid_argument("xirang: NcclLink: receive from rank " + std::to_string(j.peer));
+  // A new operation: its headers are checked again with every peer.
+  const FrameHeader* h = !sends.empty() ? &sends[0].header : (!recvs.empty() ? &recvs[0].expect : nullptr);
+  if (h && (!have_op_ || h->op != cur_op_ || h->seq != cur_seq_)) {
+    have_op_ = true;
+    cur_op_ = h->op;
+    cur_seq_ = h->seq;
+    std::fill(sent_hdr_.begin(), sent_hdr_.end(), 0);
+    std::fill(recv_hdr_.begin(), recv_hdr_.end(), 0);
+  }
+  headerRound(sends, recvs, deadline);
+
+  size_t groups = 0;
+  for (const auto& j : sends) groups = std::max(groups, j.segs.size());
+  for (const auto& j : recvs) groups = std::max(groups, j.segs.size());
+  for (size_t g = 0; g < groups; ++g) {
+    check();
+    grouped(deadline, [&] {
+      for (const auto& j : sends)
+        if (g < j.segs.size() && j.segs[g].bytes)
+          callNccl(nccl_.send(j.segs[g].data, j.segs[g].bytes, j.peer, comm_, stream_), "ncclSend", deadline);
+      for (const auto& j : recvs)
+        if (g < j.segs.size() && j.segs[g].bytes)
+          callNccl(nccl_.recv(j.segs[g].data, j.segs[g].bytes, j.peer, comm_, stream_), "ncclRecv", deadline);
+    });
+    for (auto& j : recvs)
+      if (g < j.segs.size() && j.on_segment) j.on_segment(g);
+  }
+  for (const auto& j : sends) {
+    const uint64_t b = totalBytes(j.segs);
+    sent_ += b;
+    if (timings) timings->push_back({j.peer, true, 0.0, b});
+  }
+  if (timings)
+    for (const auto& j : recvs) timings->push_back({j.peer, false, 0.0, totalBytes(j.segs)});
+}
+
+void NcclLink::abort(const std::string& why) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (stop_why_.empty()) stop_why_ = "aborted: " + why;
+  if (!aborted_) {
+    (void)nccl_.commAbort(comm_);
+    aborted_ = true;
+  }
+}
+
+void NcclLink::interrupt(const std::string& why) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (stop_why_.empty()) stop_why_ = why.empty() ? "interrupted" : why;
+}
+
+}  // namespace xirang::transport

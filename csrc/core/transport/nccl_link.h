@@ -1,0 +1,128 @@
+// A transport::Link over NCCL point-to-point calls between GPUs (device/api.h's NcclApi and
+// CudaApi: the real libraries in a CUDA build, the loopback fake in the Catch2 tests). The core's
+// algorithms run over it unchanged, with a device reducer (algorithms/device_reducer.h) on the
+// same stream.
+//
+// Stream semantics. Segments are device memory (memory() == Device). Every NCCL call, copy and
+// kernel of the link is enqueued on one stream (stream(), not owned); exchange() returns once its
+// jobs are *enqueued*, in stream order: work enqueued on the stream afterwards sees the received
+// bytes, and may overwrite the sent ones. Completion is observed with synchronize() (or an event
+// the caller records on the stream). on_segment(i) runs on the calling thread right after
+// segment i's receive is enqueued, so the work it enqueues on the stream runs after the data
+// landed and before segment i+1 is received: segments may share one buffer (RecvJob's contract).
+//
+// Schedule. One exchange is a sequence of NCCL groups; group g holds segment g of every job (a
+// send per send job, a receive per receive job: ncclUint8, one call per segment), then
+// on_segment(g) of the receive jobs. Both sides cut a message into the same segments, so the
+// k-th send from src to dst always meets the k-th receive at dst in the same group index on both
+// ranks: no schedule can deadlock NCCL's rule that matched calls progress together. Empty
+// segments make no call.
+//
+// Agreement check. NCCL frames carry no headers, and calls of different sizes would hang or
+// corrupt memory, so before the first data of an operation ((op, seq) of the headers) with a
+// peer in a direction, the link exchanges a 64-byte record with that peer: the 48-byte frame
+// header (transport/frame.h; payload_bytes = the job's total bytes) plus the job's segment count
+// and first segment size. The records travel in one NCCL group, are copied to pinned host
+// memory and compared on the host (compareHeader) before any data call is made: a rank that
+// disagrees about op, dtype, reduce op, element count, order (seq), root or sizes gets a
+// MismatchError naming the field, the peer and both values, as on TCP. Cost per operation: one
+// extra round trip (a group of 64-byte calls), 64 bytes per peer and direction, and one host
+// wait for the link's stream (the op's inputs must be ready by then); later exchanges of the same
+// operation add nothing. What it does not see: per-step sizes after the first, which are
+// functions of the agreed fields and the group's configuration (segment size, algorithm, ring),
+// so the engine must agree on that configuration at group creation.
+//
+// Failures. Every wait (header round, synchronize, a non-blocking NCCL enqueue) polls the
+// stream's event and ncclCommGetAsyncError until the deadline; an NCCL error or the deadline
+// aborts the communicator (ncclCommAbort) and throws TransportError / TimeoutError; afterwards
+// the link is unusable. interrupt() (any thread) makes a running or later wait fail at once;
+// abort() (any thread) aborts the communicator. Per-peer timings report bytes, with seconds = 0
+// (a device link sees no transfer times without timing events).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/device/api.h"
+#include "core/store.h"
+#include "core/transport/transport.h"
+
+namespace xirang::transport {
+
+// Rank 0 creates the communicator's unique id and sets it under `key`; the other ranks read it,
+// waiting until `deadline`. `key` must name the group and the ring epoch (never a per-process
+// counter: a counter that diverges across restarts reads a stale id, pytorch#135712).
+device::NcclUniqueId shareNcclUniqueId(device::NcclApi& nccl, Store& store, const std::string& key, int rank,
+                                       Deadline deadline);
+
+// This rank's communicator of `size` ranks: ncclCommInitRankConfig non-blocking, polled until
+// every rank has joined. An error, or `deadline` (a rank that never joins), aborts the half-made
+// communicator and throws TransportError / TimeoutError naming `name`.
+device::NcclComm initNcclComm(device::NcclApi& nccl, const device::NcclUniqueId& id, int rank, int size,
+                              Deadline deadline, const std::string& name = "");
+
+class NcclLink : public Link {
+ public:
+  // Owns `comm` (rank `rank` of `size`); orders everything on `stream` (not owned). Allocates
+  // its header buffers (device and pinned host memory) here.
+  NcclLink(device::NcclApi& nccl, device::CudaApi& cuda, device::NcclComm comm, int rank, int size,
+           device::Stream stream);
+  // Destroys the communicator when the stream is idle, else aborts it.
+  ~NcclLink() override;
+  NcclLink(const NcclLink&) = delete;
+  NcclLink& operator=(const NcclLink&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Memory memory() const override { return Memory::Device; }
+  device::Stream stream() const { return stream_; }
+
+  void exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline,
+                std::vector<PeerTiming>* timings = nullptr) override;
+  void abort(const std::string& why) override;
+  void interrupt(const std::string& why) override;
+  uint64_t payloadBytesSent() const override { return sent_.load(); }
+
+  // The link's stream waits (on the device, no host wait) for the work enqueued on `producer` so
+  // far: call it in the caller's thread at enqueue, with the caller's current stream.
+  void waitStream(device::Stream producer);
+  // Blocks until everything enqueued on the link's stream so far has completed (see Failures).
+  void synchronize(Deadline deadline);
+
+ private:
+  static constexpr size_t kRecordBytes = 64;
+  void check();  // throws if interrupted / aborted / broken
+  [[noreturn]] void fail(const std::string& what, bool timeout, int peer = -1);
+  void callNccl(int result, const char* call, Deadline deadline);
+  void callCuda(int result, const char* call);
+  void waitIdle(Deadline deadline, const std::string& what);
+  // ncclGroupStart, calls(), ncclGroupEnd (also when calls() throws).
+  void grouped(Deadline deadline, const std::function<void()>& calls);
+  void headerRound(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline);
+
+  device::NcclApi& nccl_;
+  device::CudaApi& cuda_;
+  device::NcclComm comm_;
+  const int rank_, size_;
+  device::Stream stream_;
+  device::Event done_ = nullptr, ready_ = nullptr;
+  uint8_t* hdr_dev_ = nullptr;   // [send records: size][receive records: size], kRecordBytes each
+  uint8_t* hdr_host_ = nullptr;  // pinned, same layout
+
+  // The operation whose headers were checked, and with whom.
+  OpKind cur_op_ = OpKind::None;
+  uint64_t cur_seq_ = ~0ull;
+  bool have_op_ = false;
+  std::vector<uint8_t> sent_hdr_, recv_hdr_;
+
+  std::atomic<uint64_t> sent_{0};
+  std::mutex mu_;          // guards the fields below and the abort call
+  std::string stop_why_;   // interrupt / abort / a failure: every later call throws
+  bool aborted_ = false;
+};
+
+}  // namespace xirang::transport

@@ -1,0 +1,657 @@
+// The device data path over the loopback fake (core/device/fake.h): the core's algorithms over
+// transport::NcclLink with an algo::DeviceReducer (kernels = the grid emulator running the real
+// kernel bodies), checked bit for bit against the same algorithms over the in-process link with
+// the host reducer (support.h: InprocGroup) on the same inputs, plus values from fp64 references
+// and the failure cases (deadlocking order, abort mid-op, a rank that never joins, timeouts,
+// disagreeing ranks) ending in errors within bounded time.
+//
+// The fake's "device" memory is host memory: the test fills and reads it directly while the
+// rank's stream is idle (after NcclLink::synchronize). Rank threads never call Catch.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/algorithms/device_reducer.h"
+#include "core/codec.h"
+#include "core/collectives.h"
+#include "core/device/fake.h"
+#include "core/planner.h"
+#include "core/reduce.h"
+#include "core/transport/nccl_link.h"
+#include "collective_cases.h"
+#include "support.h"
+
+namespace {
+
+namespace dv = xirang::device;
+namespace tp = xirang::transport;
+using xirang::Comm;
+using xirang::DType;
+using xirang::OpCtx;
+using xirang::ReduceOp;
+using xirang_test::after;
+using xirang_test::InprocGroup;
+using xirang_test::MemStore;
+using xirang_test::mix;
+using xirang_test::runRanks;
+using xirang_test::unit;
+using std::chrono::milliseconds;
+
+// n ranks, each with a stream, a communicator from the fake NCCL (unique id through a store,
+// non-blocking init), an NcclLink and a DeviceReducer on that stream.
+struct DeviceGroup {
+  dv::FakeDevice dev;  // first member: destroyed last
+  int n;
+  std::vector<dv::Stream> streams;
+  std::vector<std::unique_ptr<tp::NcclLink>> links;
+  std::vector<std::unique_ptr<xirang::algo::DeviceReducer>> reducers;
+
+  explicit DeviceGroup(int size) : n(size), streams(size), links(size), reducers(size) {
+    MemStore store;
+    runRanks(n, [&](int r) {
+      if (dev.cuda().streamCreate(&streams[r]) != dv::kCudaSuccess) throw std::runtime_error("streamCreate");
+      const auto id = tp::shareNcclUniqueId(dev.nccl(), store, "xirang/test/0/nccl_uid", r, after(milliseconds(10000)));
+      dv::NcclComm c = tp::initNcclComm(dev.nccl(), id, r, n, after(milliseconds(10000)), "test");
+      links[r] = std::make_unique<tp::NcclLink>(dev.nccl(), dev.cuda(), c, r, n, streams[r]);
+      reducers[r] = std::make_unique<xirang::algo::DeviceReducer>(dev.cuda(), dev.kernels(), streams[r]);
+    });
+  }
+  ~DeviceGroup() {
+    links.clear();
+    reducers.clear();
+    for (auto s : streams) (void)dev.cuda().streamDestroy(s);
+  }
+  Comm comm(int r, std::vector<int> ring = {}) {
+    Comm c = xirang_test::commOver(links[r].get(), r, n, std::move(ring));
+    c.reducer = reducers[r].get();
+    return c;
+  }
+  void run(const std::function<void(int)>& fn) {
+    xirang_test::runAborting(n, [&](int r) -> tp::Link& { return *links[r]; }, fn);
+  }
+};
+
+using namespace xirang_test::cases;  // ctxFor, Env, fillInput, allCollectives (collective_cases.h)
+
+// Runs `body` on every rank of a host group and of a device group of n ranks; results[engine][rank].
+using Results = std::vector<std::vector<std::vector<uint8_t>>>;
+void runBoth(int n, const std::function<void(Env&)>& body, Results& host, Results& device) {
+  host.assign(n, {});
+  device.assign(n, {});
+  {
+    InprocGroup g(n);
+    std::vector<std::vector<std::unique_ptr<uint8_t[]>>> mem(n);
+    g.run([&](int r) {
+      Env e;
+      e.comm = g.comm(r);
+      e.rank = r;
+      e.n = n;
+      e.out = &host[r];
+      e.alloc = [&mem, r](size_t b) {
+        mem[r].emplace_back(new uint8_t[b + 1]());
+        return mem[r].back().get();
+      };
+      e.finish = [] {};
+      body(e);
+    });
+  }
+  DeviceGroup g(n);
+  std::vector<std::vector<void*>> mem(n);
+  g.run([&](int r) {
+    Env e;
+    e.comm = g.comm(r);
+    e.rank = r;
+    e.n = n;
+    e.out = &device[r];
+    e.alloc = [&g, &mem, r](size_t b) {
+      void* p = nullptr;
+      if (g.dev.cuda().malloc(&p, b + 1) != dv::kCudaSuccess) throw std::runtime_error("fake cudaMalloc");
+      std::memset(p, 0, b + 1);
+      mem[r].push_back(p);
+      return static_cast<uint8_t*>(p);
+    };
+    e.finish = [&g, r] { g.links[r]->synchronize(after(milliseconds(20000))); };
+    body(e);
+    e.finish();
+  });
+  for (auto& v : mem)
+    for (void* p : v) (void)g.dev.cuda().free(p);
+}
+
+void requireSame(const Results& host, const Results& device) {
+  REQUIRE(host.size() == device.size());
+  for (size_t r = 0; r < host.size(); ++r) {
+    CAPTURE(r);
+    REQUIRE(host[r].size() == device[r].size());
+    size_t bad = 0, first = 0;
+    for (size_t k = 0; k < host[r].size(); ++k)
+      if (host[r][k] != device[r][k] && bad++ == 0) first = k;
+    INFO(bad << " of " << host[r].size() << " results differ, the first is result #" << first);
+    CHECK(bad == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("device: every collective over NcclLink + DeviceReducer gives the in-process engine's bits, WS 1-8",
+          "[device]") {
+  const int n = GENERATE(1, 2, 3, 4, 5, 6, 7, 8);
+  CAPTURE(n);
+  Results host, device;
+  runBoth(n, allCollectives, host, device);
+  REQUIRE(!host[0].empty());
+  requireSame(host, device);
+  // Replicated results agree across ranks (allreduce: the first recorded results).
+  for (int r = 1; r < n; ++r) CHECK(host[r][10] == host[0][10]);
+}
+
+TEST_CASE("device: PREMUL_SUM of full((8,), rank+1) at WS=2 is 3*factor in every float dtype (pytorch#190745)",
+          "[device]") {
+  const DType dts[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
+  const double factors[] = {0.5, 0.25, 1.0 / 3.0};
+  Results host, device;
+  runBoth(2, [&](Env& e) {
+    for (DType t : dts) {
+      for (double f : factors) {
+        const size_t es = xirang::elementSize(t);
+        uint8_t* d = e.alloc(8 * es);
+        for (int i = 0; i < 8; ++i) {
+          const double v = e.rank + 1;
+          if (t == DType::Float32) { const float x = static_cast<float>(v); std::memcpy(d + 4 * i, &x, 4); }
+          if (t == DType::Float64) std::memcpy(d + 8 * i, &v, 8);
+          if (t == DType::Float16) { const uint16_t x = xirang::floatToHalf(static_cast<float>(v)); std::memcpy(d + 2 * i, &x, 2); }
+          if (t == DType::BFloat16) { const uint16_t x = xirang::codec::f32ToBf16(static_cast<float>(v)); std::memcpy(d + 2 * i, &x, 2); }
+        }
+        xirang::allreduceOp(e.comm, ctxFor(tp::OpKind::Allreduce, t, ReduceOp::PremulSum, 8, ++e.seq), d, 8, t,
+                            ReduceOp::PremulSum, f);
+        e.finish();
+        e.record(d, 8 * es);
+      }
+    }
+  }, host, device);
+  requireSame(host, device);
+  for (int r = 0; r < 2; ++r) {
+    size_t k = 0;
+    for (DType t : dts) {
+      for (double f : factors) {
+        const auto& b = device[r][k++];
+        for (int i = 0; i < 8; ++i) {
+          double got = 0, ulp = 0;
+          if (t == DType::Float32) { float x; std::memcpy(&x, &b[4 * i], 4); got = x; ulp = 0x1p-23; }
+          if (t == DType::Float64) { std::memcpy(&got, &b[8 * i], 8); ulp = 0x1p-52; }
+          if (t == DType::Float16) { uint16_t x; std::memcpy(&x, &b[2 * i], 2); got = xirang::halfToFloat(x); ulp = 0x1p-10; }
+          if (t == DType::BFloat16) { uint16_t x; std::memcpy(&x, &b[2 * i], 2); got = xirang::codec::bf16ToF32(x); ulp = 0x1p-7; }
+          CAPTURE(r, xirang::dtypeName(t), f, i, got);
+          if (f != 1.0 / 3.0) CHECK(got == 3.0 * f);  // 1.5 and 0.75: exact in every dtype
+          else CHECK(std::fabs(got - 1.0) <= 2 * ulp);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("device: AVG at sizes 0..64 and 1024, WS 2 and 3, is SUM / WS, divided once (torch-xpu-ops#3020)",
+          "[device]") {
+  const int n = GENERATE(2, 3);
+  CAPTURE(n);
+  const DType dts[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
+  std::vector<int64_t> sizes;
+  for (int64_t s = 0; s <= 64; ++s) sizes.push_back(s);
+  sizes.push_back(1024);
+  auto value = [](int rank, int64_t i) { return static_cast<double>((i % 13) + 1) * (rank + 1); };
+  Results host, device;
+  runBoth(n, [&](Env& e) {
+    for (DType t : dts) {
+      for (int64_t count : sizes) {
+        const size_t es = xirang::elementSize(t);
+        uint8_t* d = e.alloc(count * es + 1);
+        for (int64_t i = 0; i < count; ++i) {
+          const double v = value(e.rank, i);
+          if (t == DType::Float32) { const float x = static_cast<float>(v); std::memcpy(d + 4 * i, &x, 4); }
+          if (t == DType::Float64) std::memcpy(d + 8 * i, &v, 8);
+          if (t == DType::Float16) { const uint16_t x = xirang::floatToHalf(static_cast<float>(v)); std::memcpy(d + 2 * i, &x, 2); }
+          if (t == DType::BFloat16) { const uint16_t x = xirang::codec::f32ToBf16(static_cast<float>(v)); std::memcpy(d + 2 * i, &x, 2); }
+        }
+        Comm c = e.comm;
+        c.small_bytes = 256;  // the larger sizes take the ring
+        xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, t, ReduceOp::Avg, count, ++e.seq), d, count, t,
+                            ReduceOp::Avg);
+        e.finish();
+        e.record(d, count * es);
+      }
+    }
+  }, host, device);
+  requireSame(host, device);
+  const int r = n - 1;
+  size_t k = 0;
+  int64_t checked = 0;
+  for (DType t : dts) {
+    const double rel = t == DType::Float32 ? 0x1p-21 : t == DType::Float64 ? 0x1p-50 : t == DType::Float16 ? 0x1p-9 : 0x1p-6;
+    for (int64_t count : sizes) {
+      const auto& b = device[r][k++];
+      for (int64_t i = 0; i < count; ++i) {
+        double got = 0;
+        if (t == DType::Float32) { float x; std::memcpy(&x, &b[4 * i], 4); got = x; }
+        if (t == DType::Float64) std::memcpy(&got, &b[8 * i], 8);
+        if (t == DType::Float16) { uint16_t x; std::memcpy(&x, &b[2 * i], 2); got = xirang::halfToFloat(x); }
+        if (t == DType::BFloat16) { uint16_t x; std::memcpy(&x, &b[2 * i], 2); got = xirang::codec::bf16ToF32(x); }
+        double sum = 0;
+        for (int q = 0; q < n; ++q) sum += value(q, i);
+        const double want = sum / n;
+        if (!(std::fabs(got - want) <= rel * want)) {
+          CAPTURE(xirang::dtypeName(t), count, i, got, want);
+          REQUIRE(std::fabs(got - want) <= rel * want);
+        }
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked == 4 * (64 * 65 / 2 + 1024));
+}
+
+TEST_CASE("device: an input still being written on the caller's stream is read once finished", "[device]") {
+  DeviceGroup g(2);
+  std::vector<dv::Stream> caller(2);
+  for (auto& s : caller) REQUIRE(g.dev.cuda().streamCreate(&s) == dv::kCudaSuccess);
+  const int64_t count = 4096;
+  std::vector<float*> data(2);
+  for (int r = 0; r < 2; ++r) {
+    void* p = nullptr;
+    REQUIRE(g.dev.cuda().malloc(&p, count * 4) == dv::kCudaSuccess);
+    data[r] = static_cast<float*>(p);
+    std::fill(data[r], data[r] + count, -1.0f);  // stale values
+  }
+  g.run([&](int r) {
+    // The "producer kernel" on the caller's stream: finishes 100 ms later, writing the input.
+    g.dev.enqueueHostWork(caller[r], [&, r] {
+      std::this_thread::sleep_for(milliseconds(100));
+      for (int64_t i = 0; i < count; ++i) data[r][i] = static_cast<float>(i % 17) * (r + 1);
+    });
+    g.links[r]->waitStream(caller[r]);  // at enqueue, in the caller's thread
+    Comm c = g.comm(r);
+    xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, count, 1), data[r], count,
+                        DType::Float32, ReduceOp::Sum);
+    g.links[r]->synchronize(after(milliseconds(20000)));
+  });
+  for (int r = 0; r < 2; ++r)
+    for (int64_t i = 0; i < count; ++i) {
+      if (data[r][i] != static_cast<float>(i % 17) * 3) {
+        CAPTURE(r, i, data[r][i]);
+        REQUIRE(data[r][i] == static_cast<float>(i % 17) * 3);
+      }
+    }
+  for (int r = 0; r < 2; ++r) {
+    (void)g.dev.cuda().free(data[r]);
+    (void)g.dev.cuda().streamDestroy(caller[r]);
+  }
+}
+
+TEST_CASE("device: the fake's streams are FIFO, events complete in stream order, freeAsync is stream-ordered",
+          "[device][fake]") {
+  dv::FakeDevice dev;
+  auto& cu = dev.cuda();
+  dv::Stream a, b;
+  REQUIRE(cu.streamCreate(&a) == dv::kCudaSuccess);
+  REQUIRE(cu.streamCreate(&b) == dv::kCudaSuccess);
+  dv::Event ev;
+  REQUIRE(cu.eventCreate(&ev) == dv::kCudaSuccess);
+  CHECK(cu.eventQuery(ev) == dv::kCudaSuccess);  // never recorded: complete
+  std::atomic<bool> release{false};
+  std::vector<int> order;
+  std::mutex mu;
+  dev.enqueueHostWork(a, [&] {
+    while (!release) std::this_thread::sleep_for(milliseconds(1));
+    std::lock_guard<std::mutex> l(mu);
+    order.push_back(1);
+  });
+  REQUIRE(cu.eventRecord(ev, a) == dv::kCudaSuccess);
+  CHECK(cu.eventQuery(ev) == dv::kCudaErrorNotReady);
+  REQUIRE(cu.streamWaitEvent(b, ev) == dv::kCudaSuccess);
+  dev.enqueueHostWork(b, [&] {
+    std::lock_guard<std::mutex> l(mu);
+    order.push_back(2);
+  });
+  void* p = nullptr;
+  REQUIRE(cu.malloc(&p, 64) == dv::kCudaSuccess);
+  REQUIRE(cu.freeAsync(p, b) == dv::kCudaSuccess);
+  std::this_thread::sleep_for(milliseconds(20));
+  CHECK(dev.liveAllocations() == 1);  // b waits for a: the free has not run
+  {
+    std::lock_guard<std::mutex> l(mu);
+    CHECK(order.empty());
+  }
+  release = true;
+  REQUIRE(cu.streamSynchronize(b) == dv::kCudaSuccess);
+  CHECK(cu.eventQuery(ev) == dv::kCudaSuccess);
+  CHECK(order == std::vector<int>{1, 2});
+  CHECK(dev.liveAllocations() == 0);
+  CHECK(cu.free(p) == dv::kCudaErrorInvalidValue);  // already freed
+  float x[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  uint16_t y[8] = {};
+  REQUIRE(dev.kernels().launch(dv::Kernel::encode(x, y, 8), a) == dv::kCudaSuccess);
+  CHECK(dev.kernels().launch(dv::Kernel::encode(x, y, -1), a) == dv::kCudaErrorInvalidValue);
+  REQUIRE(cu.streamSynchronize(a) == dv::kCudaSuccess);
+  for (int i = 0; i < 8; ++i) CHECK(y[i] == xirang::codec::f32ToBf16(x[i]));
+  CHECK(dev.kernelsLaunched() == 1);
+  (void)cu.streamDestroy(a);
+  (void)cu.streamDestroy(b);
+}
+
+namespace {
+
+// Two ranks of the fake NCCL, each with its own stream, for the tests of the matching rule.
+struct PairComms {
+  dv::FakeDevice dev;
+  dv::Stream s[2];
+  dv::NcclComm c[2];
+  dv::Event ev[2];
+  PairComms() {
+    dv::NcclUniqueId id;
+    dev.nccl().getUniqueId(&id);
+    runRanks(2, [&](int r) {
+      dev.cuda().streamCreate(&s[r]);
+      dev.cuda().eventCreate(&ev[r]);
+      c[r] = tp::initNcclComm(dev.nccl(), id, r, 2, after(milliseconds(5000)));
+    });
+  }
+  // Whether rank r's stream finishes within `ms`.
+  bool finishes(int r, int ms) {
+    dev.cuda().eventRecord(ev[r], s[r]);
+    const auto until = after(milliseconds(ms));
+    while (xirang_test::Clock::now() < until) {
+      if (dev.cuda().eventQuery(ev[r]) == dv::kCudaSuccess) return true;
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+    return false;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("device: the fake NCCL enforces the matching rule: ungrouped send-then-recv both ways deadlocks",
+          "[device][fake]") {
+  std::vector<float> buf[2] = {std::vector<float>(64, 1.0f), std::vector<float>(64, 2.0f)};
+  std::vector<float> got[2] = {std::vector<float>(64, 0.0f), std::vector<float>(64, 0.0f)};
+  SECTION("grouped: completes") {
+    PairComms p;
+    for (int r = 0; r < 2; ++r) {
+      auto& nc = p.dev.nccl();
+      REQUIRE(nc.groupStart() == dv::kNcclSuccess);
+      REQUIRE(nc.send(buf[r].data(), 256, 1 - r, p.c[r], p.s[r]) == dv::kNcclSuccess);
+      REQUIRE(nc.recv(got[r].data(), 256, 1 - r, p.c[r], p.s[r]) == dv::kNcclSuccess);
+      REQUIRE(nc.groupEnd() == dv::kNcclSuccess);
+    }
+    CHECK(p.finishes(0, 5000));
+    CHECK(p.finishes(1, 5000));
+    CHECK(got[0] == buf[1]);
+    CHECK(got[1] == buf[0]);
+    for (int r = 0; r < 2; ++r) (void)p.dev.nccl().commDestroy(p.c[r]);
+  }
+  SECTION("ungrouped: deadlocks, seen as a timeout, ended by abort") {
+    PairComms p;
+    for (int r = 0; r < 2; ++r) {
+      REQUIRE(p.dev.nccl().send(buf[r].data(), 256, 1 - r, p.c[r], p.s[r]) == dv::kNcclSuccess);
+      REQUIRE(p.dev.nccl().recv(got[r].data(), 256, 1 - r, p.c[r], p.s[r]) == dv::kNcclSuccess);
+    }
+    CHECK(!p.finishes(0, 300));
+    CHECK(!p.finishes(1, 50));
+    REQUIRE(p.dev.nccl().commAbort(p.c[0]) == dv::kNcclSuccess);
+    CHECK(p.finishes(0, 5000));  // the aborted calls end
+    CHECK(p.finishes(1, 5000));  // and the peer's fail with a remote error
+    int async = 0;
+    REQUIRE(p.dev.nccl().commGetAsyncError(p.c[1], &async) == dv::kNcclSuccess);
+    CHECK(async == dv::kNcclRemoteError);
+    CHECK(p.dev.nccl().lastError(p.c[1]).find("rank 0") != std::string::npos);
+    (void)p.dev.nccl().commAbort(p.c[1]);
+  }
+  SECTION("different sizes: an InvalidUsage async error on both") {
+    PairComms p;
+    REQUIRE(p.dev.nccl().send(buf[0].data(), 256, 1, p.c[0], p.s[0]) == dv::kNcclSuccess);
+    REQUIRE(p.dev.nccl().recv(got[1].data(), 128, 0, p.c[1], p.s[1]) == dv::kNcclSuccess);
+    CHECK(p.finishes(0, 5000));
+    CHECK(p.finishes(1, 5000));
+    for (int r = 0; r < 2; ++r) {
+      int async = 0;
+      REQUIRE(p.dev.nccl().commGetAsyncError(p.c[r], &async) == dv::kNcclSuccess);
+      CHECK(async == dv::kNcclInvalidUsage);
+      (void)p.dev.nccl().commAbort(p.c[r]);
+    }
+  }
+}
+
+TEST_CASE("device: a rank that never joins the communicator ends in a timeout on the others", "[device]") {
+  dv::FakeDevice dev;
+  dv::NcclUniqueId id;
+  dev.nccl().getUniqueId(&id);
+  std::vector<std::string> what(2);
+  const auto t0 = xirang_test::Clock::now();
+  runRanks(2, [&](int r) {  // ranks 0 and 1 of 3; rank 2 never calls
+    try {
+      tp::initNcclComm(dev.nccl(), id, r, 3, after(milliseconds(300)), "lonely");
+      what[r] = "(no error)";
+    } catch (const tp::TimeoutError& e) {
+      what[r] = e.what();
+    }
+  });
+  CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));
+  for (auto& w : what) {
+    CAPTURE(w);
+    CHECK(w.find("timed out initialising NCCL communicator 'lonely'") != std::string::npos);
+  }
+}
+
+TEST_CASE("device: a rank that never calls the collective: the others time out with an error", "[device]") {
+  DeviceGroup g(3);
+  std::vector<std::string> what(3);
+  const auto t0 = xirang_test::Clock::now();
+  runRanks(3, [&](int r) {
+    if (r == 2) return;  // joined, but never calls
+    void* p = nullptr;
+    g.dev.cuda().malloc(&p, 400);
+    try {
+      Comm c = g.comm(r);
+      xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, 100, 1, 300), p, 100,
+                          DType::Float32, ReduceOp::Sum);
+      g.links[r]->synchronize(after(milliseconds(300)));
+      what[r] = "(no error)";
+    } catch (const tp::TimeoutError& e) {
+      what[r] = e.what();
+    }
+  });
+  CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r, what[r]);
+    CHECK(what[r].find("timed out") != std::string::npos);
+    CHECK(what[r].find("allreduce") != std::string::npos);
+  }
+}
+
+namespace {
+
+// A link that aborts itself (and throws) at its k-th exchange: a rank failing mid-operation.
+class AbortAt : public tp::Link {
+ public:
+  AbortAt(tp::Link& inner, int k) : inner_(inner), k_(k) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  tp::Memory memory() const override { return inner_.memory(); }
+  void exchange(std::vector<tp::SendJob>& s, std::vector<tp::RecvJob>& r, tp::Deadline d,
+                std::vector<tp::PeerTiming>* t) override {
+    if (++calls_ == k_) {
+      inner_.abort("rank dies mid-op (test)");
+      throw tp::TransportError("test: aborted at exchange " + std::to_string(k_), -1);
+    }
+    inner_.exchange(s, r, d, t);
+  }
+  void abort(const std::string& why) override { inner_.abort(why); }
+  void interrupt(const std::string& why) override { inner_.interrupt(why); }
+  uint64_t payloadBytesSent() const override { return inner_.payloadBytesSent(); }
+
+ private:
+  tp::Link& inner_;
+  int k_, calls_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("device: a rank aborting mid-op makes the others fail, not hang", "[device]") {
+  // Ring 0 -> 1 -> 2: both of rank 1's neighbours exchange with it after it died. (On a larger
+  // ring a rank that never exchanges with the dead one finishes: the engine's store-based abort
+  // has to tell it.)
+  const int n = 3;
+  DeviceGroup g(n);
+  std::vector<std::string> what(n);
+  const auto t0 = xirang_test::Clock::now();
+  runRanks(n, [&](int r) {
+    const int64_t count = 50000;
+    void* p = nullptr;
+    g.dev.cuda().malloc(&p, count * 4);
+    std::memset(p, 0, count * 4);
+    AbortAt link(*g.links[r], r == 1 ? 3 : -1);  // rank 1 dies at its third ring step
+    Comm c = xirang_test::commOver(&link, r, n, {});
+    c.reducer = g.reducers[r].get();
+    c.small_bytes = 0;
+    c.segment_bytes = 4096;
+    try {
+      xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, count, 1), p, count,
+                          DType::Float32, ReduceOp::Sum);
+      g.links[r]->synchronize(after(milliseconds(10000)));
+      what[r] = "(no error)";
+    } catch (const std::exception& e) {
+      what[r] = e.what();
+    }
+  });
+  CHECK(xirang_test::Clock::now() - t0 < milliseconds(8000));
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r, what[r]);
+    CHECK(what[r] != "(no error)");
+    if (r != 1) CHECK(what[r].find("timed out") == std::string::npos);  // told, not timed out
+  }
+  CHECK(what[0].find("rank 1 aborted") != std::string::npos);
+  CHECK(what[2].find("rank 1 aborted") != std::string::npos);
+}
+
+TEST_CASE("device: ranks disagreeing about the operation get a MismatchError naming it", "[device]") {
+  DeviceGroup g(2);
+  std::vector<std::string> what(2);
+  runRanks(2, [&](int r) {
+    void* p = nullptr;
+    g.dev.cuda().malloc(&p, 4000);
+    try {
+      Comm c = g.comm(r);
+      const int64_t count = r == 0 ? 100 : 99;
+      xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, count, 1, 5000), p, count,
+                          DType::Float32, ReduceOp::Sum);
+      g.links[r]->synchronize(after(milliseconds(5000)));
+      what[r] = "(no error)";
+    } catch (const tp::MismatchError& e) {
+      what[r] = e.what();
+    } catch (const std::exception& e) {
+      what[r] = std::string("other: ") + e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r, what[r]);
+    CHECK(what[r].find("element count mismatch") != std::string::npos);
+    CHECK(what[r].find("100") != std::string::npos);
+    CHECK(what[r].find("99") != std::string::npos);
+  }
+}
+
+TEST_CASE("device: segment layouts that differ are a MismatchError, not a hang", "[device]") {
+  DeviceGroup g(2);
+  std::vector<std::string> what(2);
+  runRanks(2, [&](int r) {
+    void* p = nullptr;
+    g.dev.cuda().malloc(&p, 40000);
+    try {
+      Comm c = g.comm(r);
+      c.small_bytes = 0;
+      c.segment_bytes = r == 0 ? 1024 : 2048;  // XIRANG_SEGMENT_BYTES differs between the ranks
+      xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, 10000, 1, 5000), p, 10000,
+                          DType::Float32, ReduceOp::Sum);
+      g.links[r]->synchronize(after(milliseconds(5000)));
+      what[r] = "(no error)";
+    } catch (const tp::MismatchError& e) {
+      what[r] = e.what();
+    } catch (const std::exception& e) {
+      what[r] = std::string("other: ") + e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r, what[r]);
+    CHECK(what[r].find("segment layout mismatch") != std::string::npos);
+  }
+}
+
+TEST_CASE("device: the direct BF16 error-feedback allreduce conserves the sum and keeps replicas identical",
+          "[device][collectives]") {
+  const int n = GENERATE(1, 2, 3, 5);
+  CAPTURE(n);
+  InprocGroup g(n);
+  constexpr int T = 12;
+  const int64_t count = 777;
+  std::vector<std::vector<float>> res(n);
+  std::vector<std::vector<double>> ysum(n, std::vector<double>(count, 0.0));
+  std::vector<uint64_t> bytes(n);
+  auto input = [](int r, int t, int64_t i) {
+    return static_cast<float>((unit(mix(r, t, i, 3)) - 0.5) * std::ldexp(2.0, static_cast<int>(i % 7) - 3));
+  };
+  std::vector<std::vector<std::vector<float>>> outs(n);
+  g.run([&](int r) {
+    Comm c = g.comm(r);
+    c.segment_bytes = 100;
+    std::vector<float> x(count), ra(count, 0.0f), rb(count);
+    for (int t = 0; t < T; ++t) {
+      for (int64_t i = 0; i < count; ++i) x[i] = input(r, t, i);
+      xirang::Phases ph;
+      OpCtx ctx = ctxFor(tp::OpKind::AllreduceEF, DType::Float32, ReduceOp::Avg, count, t + 1);
+      ctx.phases = &ph;
+      xirang::allreduceBF16EFDirect(c, ctx, x.data(), ra.data(), rb.data(), count);
+      std::swap(ra, rb);
+      for (int64_t i = 0; i < count; ++i) ysum[r][i] += x[i];
+      outs[r].push_back(x);
+      bytes[r] = ph.bytes_sent;
+    }
+    res[r] = ra;
+  });
+  for (int r = 1; r < n; ++r) CHECK(outs[r] == outs[0]);
+  // The bf16 outputs, and sum_t y_t + sum_i r_i == sum_t sum_i x_i,t / N.
+  int64_t bad = 0, nonzero = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    double want = 0, mag = 0, have = ysum[0][i];
+    for (int t = 0; t < T; ++t)
+      for (int q = 0; q < n; ++q) {
+        want += static_cast<double>(input(q, t, i)) / n;
+        mag += std::fabs(static_cast<double>(input(q, t, i))) / n;
+      }
+    for (int q = 0; q < n; ++q) {
+      have += res[q][i];
+      nonzero += res[q][i] != 0.0f;
+    }
+    bad += !(std::fabs(have - want) <= 1e-6 * mag);
+  }
+  CHECK(bad == 0);
+  if (n > 1) CHECK(nonzero > 0);
+  for (auto& o : outs[0])
+    for (float v : o) {
+      uint32_t b;
+      std::memcpy(&b, &v, 4);
+      REQUIRE((b & 0xFFFFu) == 0u);  // bf16 values
+    }
+  // Wire bytes: every rank sends all but its own chunk, then the allgather forwards every chunk
+  // N-1 times: 2 (N-1) x 2n bytes in all, as the ring.
+  uint64_t total = 0;
+  for (uint64_t b : bytes) total += b;
+  CHECK(total == static_cast<uint64_t>(2 * (n - 1) * count * 2));
+}
