@@ -71,6 +71,7 @@ def core_sources():
 # The torch-facing sources (backend/process_group_xirang.h names what each file holds).
 BACKEND_SOURCES = [
     "csrc/backend/config.cc",
+    "csrc/backend/completions.cc",
     "csrc/backend/device_engine.cc",
     "csrc/backend/elastic.cc",
     "csrc/backend/host_engine.cc",

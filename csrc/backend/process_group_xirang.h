@@ -8,6 +8,7 @@
 //   elastic.h        membership: the transport and ring per epoch, elastic recovery, spares
 //   p2p.h            point-to-point, posted to the transport's own engine
 //   work.h           the Work of an op and of a coalesced batch
+//   completions.h    the threads that complete Works whose Future is held (callbacks off the comm thread)
 //   records.h        operation records and their JSON lines
 //   tensors.h        dtype / reduce-op mapping and input checks
 //   config.h         what the group is created with, and the algorithms' configuration from it

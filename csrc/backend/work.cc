@@ -3,6 +3,7 @@
 #include <atomic>
 #include <mutex>
 
+#include "backend/completions.h"
 #include "backend/tensors.h"
 #include "core/env.h"
 
@@ -16,7 +17,11 @@ WorkXirang::WorkXirang(int rank, c10d::OpType type, const char* title, std::vect
                                                      stage_->devices());
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> WorkXirang::getFuture() { return future_; }
+c10::intrusive_ptr<c10::ivalue::Future> WorkXirang::getFuture() {
+  std::lock_guard<std::mutex> g(future_mu_);
+  future_handed_ = true;
+  return future_;
+}
 
 std::vector<at::Tensor> WorkXirang::result() { return outputs_; }
 
@@ -67,6 +72,20 @@ bool WorkXirang::isCompleted() { return c10d::Work::isCompleted() && stage_->que
 // get_future().value() at once (DDP's sparse buckets do), so the Future must be done by then.
 // A callback that throws (torch's own wrappers catch) must not leave the Work unfinished.
 void WorkXirang::complete(std::exception_ptr error) {
+  {
+    // Under the lock: a getFuture() racing with this waits until the Future is done, so its
+    // caller's callbacks run on its own thread (c10's Future runs them at once when done).
+    std::lock_guard<std::mutex> g(future_mu_);
+    if (!future_handed_) {
+      completeNow(error);
+      return;
+    }
+  }
+  auto self = c10::intrusive_ptr<WorkXirang>::unsafe_reclaim_from_nonowning(this);
+  Completions::instance().post(rank_, [self, error] { self->completeNow(error); });
+}
+
+void WorkXirang::completeNow(std::exception_ptr error) {
   try {
     if (error) future_->setError(error);
     else stage_->completeFuture(future_, c10::IValue(outputs_));  // a CUDA stage: its side stream current

@@ -3,6 +3,7 @@
 
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -29,7 +30,9 @@ class WorkXirang : public c10d::Work {
   // copies back (nothing for host tensors).
   void synchronize() override;
   bool isCompleted() override;
-  // Called once, by the thread that ran the operation: completes the Future, then the Work.
+  // Called once, by the thread that ran the operation: completes the Future, then the Work. On
+  // that thread when nobody holds the Future (no callback can run there); else on a thread of
+  // Completions (completions.h), so a callback never runs on the communication thread.
   void complete(std::exception_ptr error);
 
   std::string desc_;  // "xirang rank R: <op> (op #seq, ...)" for messages
@@ -37,9 +40,13 @@ class WorkXirang : public c10d::Work {
   std::shared_ptr<WaitClock> wait_clock_;  // null when the group keeps no records (XIRANG_STATS=0)
 
  private:
+  void completeNow(std::exception_ptr error);
+
   std::vector<at::Tensor> outputs_;
   std::shared_ptr<OpStage> stage_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex future_mu_;
+  bool future_handed_ = false;  // getFuture() was called: callbacks may be attached
 };
 
 // Coalescing (batch_isend_irecv, the coalescing manager): the Works of the operations issued

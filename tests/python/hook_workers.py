@@ -503,9 +503,46 @@ def sc_delay(rank, ws, hooks, out, cfg):
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
 
 
+def sc_torch_hook(rank, ws, hooks, out, cfg):
+    """torch's own DDP comm hooks (PowerSGD, batched PowerSGD, fp16_compress) next to plain DDP
+    on the same group: a 6-layer Linear(64, 64) regression, the same data and init for both.
+    PowerSGD's .then() callbacks wait on further allreduces of the group (a callback run on the
+    backend's communication thread would wait for that very thread)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+
+    torch.manual_seed(1)
+    w_true = torch.randn(64, 64) / 8
+    plain, hooked = DDP(make(), **cfg.get("ddp_kw", {})), DDP(make(), **cfg.get("ddp_kw", {}))
+    name = cfg["hook"]
+    if name == "fp16":
+        hooked.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        st = psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+        hooked.register_comm_hook(st, psgd.powerSGD_hook if name == "powersgd" else psgd.batched_powerSGD_hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9) for m in (plain, hooked)]
+    rec = {"plain": [], "hooked": []}
+    for step in range(cfg.get("steps", 50)):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(16, 64, generator=g)
+        y = x @ w_true
+        for key, m, opt in (("plain", plain, opts[0]), ("hooked", hooked, opts[1])):
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec[key].append(loss.item())
+    rec["params"] = [p.detach().clone() for p in hooked.parameters()]
+    torch.save(rec, os.path.join(out, f"rank{rank}.pt"))
+
+
 SCENARIOS = {
     "train": sc_train, "direct": sc_direct, "inf_skip": sc_inf_skip, "join": sc_join,
     "no_sync": sc_no_sync, "ckpt": sc_ckpt, "digits": sc_digits, "delay": sc_delay,
+    "torch_hook": sc_torch_hook,
 }
 
 
