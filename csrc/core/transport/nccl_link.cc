@@ -236,13 +236,15 @@ void NcclLink::waitIdle(Deadline deadline, const std::string& what) {
   for (;;) {
     check();
     const int q = cuda_.eventQuery(done_);
-    if (q == dv::kCudaSuccess) return;
-    if (q != dv::kCudaErrorNotReady) callCuda(q, "cudaEventQuery");
+    if (q != dv::kCudaSuccess && q != dv::kCudaErrorNotReady) callCuda(q, "cudaEventQuery");
+    // The communicator's error also when the stream has drained: a call that failed (a peer
+    // aborted) leaves the stream running on, so "idle" alone is no success.
     int async = dv::kNcclSuccess;
     const int r = nccl_.commGetAsyncError(comm_, &async);
     if (r != dv::kNcclSuccess) fail("ncclCommGetAsyncError: " + ncclWhat(nccl_, comm_, r), false);
     if (async != dv::kNcclSuccess && async != dv::kNcclInProgress)
       fail(ncclWhat(nccl_, comm_, async) + " while waiting for " + what, false);
+    if (q == dv::kCudaSuccess) return;
     if (Clock::now() >= deadline) fail("timed out waiting for " + what + " (rank " + std::to_string(rank_) + ")", true);
     b.pause();
   }
