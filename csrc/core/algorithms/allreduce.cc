@@ -74,6 +74,46 @@ void runExchange(const Comm& comm, const OpCtx& ctx, std::vector<SendJob>& sends
   }
 }
 
+namespace {
+
+// The direct form's scatter (16-bit wire): chunk q of this rank's `src` goes to the member at ring
+// position q; every member's contribution to this rank's chunk lands in scratch slot 2, slot k
+// holding the k-th member in rank order (so the owner folds in rank order on every path). Returns
+// the slots: n x mine.count values. aux: the frames' header aux.
+uint16_t* sendToOwners16(const Comm& comm, const OpCtx& ctx, uint16_t* src, const std::vector<ring::Range>& chunks,
+                         const ring::Range& mine, uint64_t aux) {
+  const int n = comm.size();
+  const auto order = rankOrder(comm);
+  uint16_t* slots = reinterpret_cast<uint16_t*>(comm.scratchBytes(2, static_cast<size_t>(mine.count) * 2 * n));
+  auto slotOf = [&](int r) { return slots + mine.count * static_cast<int64_t>(indexIn(order, r)); };
+  comm.reducer->copy(slotOf(comm.rank), src + mine.offset, static_cast<uint64_t>(mine.count) * 2);
+  const uint64_t seg = algo::segmentBytes(comm, 2);
+  std::vector<SendJob> sends;
+  std::vector<RecvJob> recvs;
+  for (int q = 0; q < n; ++q) {
+    const int r = comm.ring[q];
+    if (r == comm.rank) continue;
+    sends.push_back(SendJob{r, headerFor(ctx, aux),
+                            algo::sendSegments(src + chunks[q].offset, static_cast<uint64_t>(chunks[q].count) * 2, seg)});
+    recvs.push_back(RecvJob{r, headerFor(ctx, aux),
+                            algo::recvSegments(slotOf(r), static_cast<uint64_t>(mine.count) * 2, seg), nullptr});
+  }
+  runExchange(comm, ctx, sends, recvs);
+  return slots;
+}
+
+// The direct form's allgather (16-bit wire): position q owns chunks[q], which in the ring
+// allgather's layout is ring chunk q+1.
+void allgatherFromOwners16(const Comm& comm, const OpCtx& ctx, uint16_t* data, const std::vector<ring::Range>& chunks) {
+  const int n = comm.size();
+  algo::allgather(comm, ctx, 2, [&](int c) {
+    const auto& r = chunks[static_cast<size_t>((c - 1 + n) % n)];
+    return RecvSeg{data + r.offset, static_cast<uint64_t>(r.count) * 2};
+  });
+}
+
+}  // namespace
+
 void directAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
   const uint64_t bytes = static_cast<uint64_t>(numel) * elementSize(wire);
   const auto order = rankOrder(comm);
@@ -177,32 +217,13 @@ void allreduce16(const Comm& comm, const OpCtx& ctx, uint16_t* data, int64_t num
   const int pos = comm.position();
   auto chunks = ring::partition(numel, n);
   const auto& mine = chunks[static_cast<size_t>(pos)];
-  const auto order = rankOrder(comm);
-  // Slot k: the contribution of the k-th member in rank order to this rank's chunk.
-  uint16_t* slots = reinterpret_cast<uint16_t*>(comm.scratchBytes(2, static_cast<size_t>(mine.count) * 2 * n));
-  auto slotOf = [&](int r) { return slots + mine.count * static_cast<int64_t>(indexIn(order, r)); };
-  comm.reducer->copy(slotOf(comm.rank), data + mine.offset, static_cast<uint64_t>(mine.count) * 2);
-  const uint64_t seg = algo::segmentBytes(comm, 2);
-  std::vector<SendJob> sends;
-  std::vector<RecvJob> recvs;
-  for (int q = 0; q < n; ++q) {
-    const int r = comm.ring[q];
-    if (r == comm.rank) continue;
-    sends.push_back(SendJob{r, headerFor(ctx, 1),
-                            algo::sendSegments(data + chunks[q].offset, static_cast<uint64_t>(chunks[q].count) * 2, seg)});
-    recvs.push_back(RecvJob{r, headerFor(ctx, 1), algo::recvSegments(slotOf(r), static_cast<uint64_t>(mine.count) * 2, seg),
-                            nullptr});
-  }
   auto t0 = Clock::now();
-  runExchange(comm, ctx, sends, recvs);
+  uint16_t* slots = sendToOwners16(comm, ctx, data, chunks, mine, 1);
   auto t1 = Clock::now();
   comm.reducer->combine16(slots, n, mine.count, t, op, pre_scale, post_scale, data + mine.offset);
   auto t2 = Clock::now();
   // Position q reduced chunks[q]; in the ring allgather's layout that is ring chunk q+1.
-  algo::allgather(comm, ctx, 2, [&](int c) {
-    const auto& r = chunks[static_cast<size_t>((c - 1 + n) % n)];
-    return RecvSeg{data + r.offset, static_cast<uint64_t>(r.count) * 2};
-  });
+  allgatherFromOwners16(comm, ctx, data, chunks);
   if (ctx.phases) {
     ctx.phases->scatter_reduce_s += between(t0, t1);
     ctx.phases->encode_s += between(t1, t2);
@@ -280,24 +301,8 @@ void allreduceBF16EFDirect(const Comm& comm, const OpCtx& ctx, float* x, const f
   const int pos = comm.position();
   const auto chunks = ring::partition(numel, n);
   const auto& mine = chunks[static_cast<size_t>(pos)];
-  const auto order = rankOrder(comm);
-  // Slot k: the bf16 contribution of the k-th member in rank order to this rank's chunk.
-  uint16_t* slots = reinterpret_cast<uint16_t*>(comm.scratchBytes(2, static_cast<size_t>(mine.count) * 2 * n));
-  auto slotOf = [&](int r) { return slots + mine.count * static_cast<int64_t>(indexIn(order, r)); };
-  red.copy(slotOf(comm.rank), wire + mine.offset, static_cast<uint64_t>(mine.count) * 2);
-  const uint64_t seg = algo::segmentBytes(comm, 2);
-  std::vector<SendJob> sends;
-  std::vector<RecvJob> recvs;
-  for (int q = 0; q < n; ++q) {
-    const int r = comm.ring[q];
-    if (r == comm.rank) continue;
-    sends.push_back(SendJob{r, headerFor(ctx, 2),
-                            algo::sendSegments(wire + chunks[q].offset, static_cast<uint64_t>(chunks[q].count) * 2, seg)});
-    recvs.push_back(RecvJob{r, headerFor(ctx, 2),
-                            algo::recvSegments(slotOf(r), static_cast<uint64_t>(mine.count) * 2, seg), nullptr});
-  }
   auto t1 = Clock::now();
-  runExchange(comm, ctx, sends, recvs);
+  uint16_t* slots = sendToOwners16(comm, ctx, wire, chunks, mine, 2);
   auto t2 = Clock::now();
   // fp32 sum in rank order (the same operands in the same order on every path), one rounding.
   float* acc = reinterpret_cast<float*>(comm.scratchBytes(3, static_cast<size_t>(mine.count) * 4));
@@ -305,11 +310,7 @@ void allreduceBF16EFDirect(const Comm& comm, const OpCtx& ctx, float* x, const f
   for (int k = 1; k < n; ++k) red.decodeAccumulate(slots + mine.count * static_cast<int64_t>(k), acc, mine.count);
   red.encodeEF(acc, 1.0f, r_out + mine.offset, r_out + mine.offset, wire + mine.offset, mine.count);
   auto t3 = Clock::now();
-  // Position q owns chunks[q]; in the ring allgather's layout that is ring chunk q+1.
-  algo::allgather(comm, ctx, 2, [&](int c) {
-    const auto& r = chunks[static_cast<size_t>((c - 1 + n) % n)];
-    return RecvSeg{wire + r.offset, static_cast<uint64_t>(r.count) * 2};
-  });
+  allgatherFromOwners16(comm, ctx, wire, chunks);
   auto t4 = Clock::now();
   // Every rank, the owner included, decodes the same bf16 values: replicas are bitwise equal.
   red.decode(wire, x, numel);
