@@ -283,11 +283,19 @@ int Tcp::clientConnect(int peer, Deadline deadline, Channel channel) {
   uint8_t hbuf[kHelloBytes];
   encodeHello(hello, hbuf);
   std::string why;
-  uint64_t reply[2];
-  if (!ioExact(fd, hbuf, sizeof(hbuf), true, hs, &why) || !ioExact(fd, reply, sizeof(reply), false, hs, &why)) {
+  // A handshake cut short is most often the peer aborting or leaving: its abort record is in the
+  // store before it closes its sockets, so the root cause is named rather than "connection reset".
+  auto handshakeFailed = [&](const std::string& io_error) {
     ::close(fd);
-    throw TransportError("handshake with rank " + std::to_string(peer) + " at " + addr + " failed: " + why, peer);
-  }
+    checkStoreAbort(peer);
+    const std::string gone = peerGone(peer);
+    return TransportError("handshake with rank " + std::to_string(peer) + " at " + addr + " failed: " + io_error +
+                             (gone.empty() ? "" : " (" + gone + ")"),
+                         peer);
+  };
+  uint64_t reply[2];
+  if (!ioExact(fd, hbuf, sizeof(hbuf), true, hs, &why) || !ioExact(fd, reply, sizeof(reply), false, hs, &why))
+    throw handshakeFailed(why);
   if (reply[1] != serverMac(key_, group_id_, channel, hello.nonce, reply[0], peer, rank_)) {
     ::close(fd);
     throw TransportError("rank " + std::to_string(peer) + " at " + addr +
@@ -295,10 +303,7 @@ int Tcp::clientConnect(int peer, Deadline deadline, Channel channel) {
                          peer);
   }
   uint64_t cmac = clientMac(key_, group_id_, channel, reply[0], hello.nonce, rank_, peer);
-  if (!ioExact(fd, &cmac, sizeof(cmac), true, hs, &why)) {
-    ::close(fd);
-    throw TransportError("handshake with rank " + std::to_string(peer) + " failed: " + why, peer);
-  }
+  if (!ioExact(fd, &cmac, sizeof(cmac), true, hs, &why)) throw handshakeFailed(why);
   if (channel == Channel::P2P) {
     std::lock_guard<std::mutex> g(mu_);
     if (closed_) {
