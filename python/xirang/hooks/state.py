@@ -25,6 +25,15 @@ from .stats import hook_stats
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
 
 
+def _flush_copies(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every pair (same shapes and dtypes) in one foreach call, then
+    empties both lists: the per-parameter copies of packing and unpacking cost one dispatch."""
+    if dst:
+        torch._foreach_copy_(dst, src)
+        dst.clear()
+        src.clear()
+
+
 def _backend_for(process_group: Optional[dist.ProcessGroup]) -> Any:
     """The xirang backend object serving CPU tensors of ``process_group`` (``None``: default).
 
@@ -251,6 +260,10 @@ class BF16ErrorFeedbackState(Checkpointing):
             raise RuntimeError(f"bucket has {len(params)} parameters but {len(grads)} gradients")
 
         parts: Dict[int, List[Tuple[Slot, torch.Tensor]]] = {}
+        # Packing copies are batched (one torch._foreach_copy_ per run of the bucket) and flushed
+        # before each launch: a group starts as soon as its last gradient is packed.
+        pack_dst: List[torch.Tensor] = []
+        pack_src: List[torch.Tensor] = []
         for p, grad in zip(params, grads):
             s = self._slots.get(id(p))
             if s is None:
@@ -269,8 +282,8 @@ class BF16ErrorFeedbackState(Checkpointing):
                 gs.t_first = t0
                 gs.done = torch.futures.Future()
                 g.ensure_buffers()
-            dst = g.ef_buf if s.kind == "ef" else g.plain_bufs[s.dtype]
-            dst[s.offset : s.offset + s.numel].copy_(grad.reshape(-1))
+            pack_dst.append(s.view)
+            pack_src.append(grad.reshape(-1))
             parts.setdefault(g.index, []).append((s, grad))
             gs.arrived += 1
             step.arrived_ids.add(id(p))
@@ -279,7 +292,9 @@ class BF16ErrorFeedbackState(Checkpointing):
                 # rest of the bucket: the order follows the bucket's parameter order, which
                 # DDP makes identical on every rank.
                 gs.t_ready = t0
+                _flush_copies(pack_dst, pack_src)
                 self._launch(g, gs)
+        _flush_copies(pack_dst, pack_src)
 
         step_end = bool(bucket.is_last()) or len(step.arrived_ids) >= len(self._expected)
         if step_end:
@@ -339,13 +354,7 @@ class BF16ErrorFeedbackState(Checkpointing):
     def _group_done(self, g: Group, gs: _GroupStep, f: torch.futures.Future) -> None:
         try:
             f.value()  # re-raises the operation's error
-            finite = True
-            if g.ef_buf is not None:
-                finite = bool(torch.isfinite(g.ef_buf).all())
-            for b in g.plain_bufs.values():
-                if finite and b.is_floating_point():
-                    finite = bool(torch.isfinite(b).all())
-            gs.finite = finite
+            gs.finite = g.all_finite()
             g.comm_s = time.perf_counter() - gs.t_launch
             g.sum_comm_s += g.comm_s
         except BaseException as e:  # noqa: BLE001  (handed to the futures DDP waits on)
@@ -356,11 +365,13 @@ class BF16ErrorFeedbackState(Checkpointing):
     def _finish_bucket(self, f, buf: torch.Tensor, parts, step: Optional[_Step]) -> torch.Tensor:
         for x in f.value():
             x.value()  # re-raises a group's error
-        for gi, lst in parts.items():
-            g = self._groups[gi]
+        dst: List[torch.Tensor] = []
+        src: List[torch.Tensor] = []
+        for lst in parts.values():
             for s, grad in lst:
-                src = g.ef_buf if s.kind == "ef" else g.plain_bufs[s.dtype]
-                grad.copy_(src[s.offset : s.offset + s.numel].view(grad.shape))
+                dst.append(grad)
+                src.append(s.view.view(grad.shape))
+        _flush_copies(dst, src)
         if step is not None:
             self._commit(step)
         return buf
