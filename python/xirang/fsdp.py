@@ -90,7 +90,6 @@ class XirangReduceScatter(_ReduceScatterBase):
         self.bytes_raw_last = 0
         self.bytes_wire_total = 0
         self.bytes_raw_total = 0
-        self.nonfinite_last = 0
 
     # -- the Comm protocol ------------------------------------------------------------------
 
@@ -203,9 +202,7 @@ class XirangReduceScatter(_ReduceScatterBase):
             r.copy_(c.sub_(q))
         # An element whose c is inf/NaN, or finite beyond bf16's range (q = +-inf), would leave a
         # non-finite residual that poisons every later step: it restarts from 0.
-        bad = ~torch.isfinite(r)
-        self.nonfinite_last = bad.sum()  # a 0-d tensor, read in stats(): no device sync here
-        r.masked_fill_(bad, 0)
+        torch.nan_to_num_(r, nan=0.0, posinf=0.0, neginf=0.0)  # one pass, no device sync
         return q
 
     def _decode(self, recv: torch.Tensor, out: torch.Tensor, ws: int) -> None:
@@ -257,15 +254,13 @@ class FSDPCompressor:
         is not sent), ``bytes_raw_last`` (the same in the input's dtype: what FSDP's own
         reduce-scatter would send), their ``*_total`` sums, ``residual_bytes`` (bytes of the
         residual: ``N x S x`` 4 for fp32, 2 for bf16; 0 without error feedback),
-        ``residual_resets``, ``nonfinite_last`` (elements whose residual was restarted from 0 in
-        the last call because their compensated value was inf/NaN or beyond bf16's range).
+        ``residual_resets`` (resets to zero: world size or shape changes, loads, ``reset()``).
         ``totals``: ``bytes_wire_per_step`` and ``bytes_raw_per_step`` (sums of the groups' last
         calls: one step's bytes when every group reduce-scatters once a step),
         ``residual_bytes``, ``calls``.
         """
         groups = []
         for name, c in self.comms.items():
-            nf = c.nonfinite_last
             groups.append({
                 "name": name,
                 "calls": c.calls,
@@ -275,7 +270,6 @@ class FSDPCompressor:
                 "bytes_raw_total": c.bytes_raw_total,
                 "residual_bytes": 0 if c.residual is None else c.residual.numel() * c.residual.element_size(),
                 "residual_resets": c.resets,
-                "nonfinite_last": int(nf.sum()) if isinstance(nf, torch.Tensor) else int(nf),
             })
         totals = {
             "bytes_wire_per_step": sum(g["bytes_wire_last"] for g in groups),

@@ -8,8 +8,12 @@ of the model (fp64 unless said otherwise), never from xirang's own code.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -121,7 +125,7 @@ def _layouts(net, comp):
     return out
 
 
-def w_grads(wire, ef, steps=1, form="nested", factor=None, mp_bf16=False, seed=0, compress_it=True):
+def w_grads(wire, ef, steps=1, form="nested", factor=None, mp_bf16=False, seed=0, residual_dtype=torch.float32):
     import xirang
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
@@ -133,17 +137,15 @@ def w_grads(wire, ef, steps=1, form="nested", factor=None, mp_bf16=False, seed=0
         for m in net.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(factor)
-    comp = xirang.fsdp.compress(net, wire=wire, error_feedback=ef) if compress_it else None
+    comp = xirang.fsdp.compress(net, wire=wire, error_feedback=ef, residual_dtype=residual_dtype)
     res = []
     for t in range(steps):
         net.zero_grad(set_to_none=True)
         x, y = batch(seed, t, _rank())
         loss_of(net(x), y).backward()
         res.append(_full_grads(net))
-    stats = comp.stats() if comp else None
-    return {"grads": res, "stats": stats,
-            "residuals": {k: v.clone() for k, v in comp.residuals.items()} if comp else {},
-            "layouts": _layouts(net, comp) if comp else {}}
+    return {"grads": res, "stats": comp.stats(), "residuals": {k: v.clone() for k, v in comp.residuals.items()},
+            "layouts": _layouts(net, comp)}
 
 
 def w_telescoping(steps, seed=0):
@@ -236,6 +238,35 @@ def w_state_dict():
             "zero_groups": zero_groups, "n_groups": len(comp.residuals)}
 
 
+def w_dcp(path):
+    """The compressor's state_dict through torch.distributed.checkpoint (save, then load in place)."""
+    import torch.distributed.checkpoint as dcp
+
+    import xirang
+
+    net = make_net(0)
+    _shard(net, _mesh())
+    comp = xirang.fsdp.compress(net)
+
+    def step(t):
+        net.zero_grad(set_to_none=True)
+        x, y = batch(0, t, _rank())
+        loss_of(net(x), y).backward()
+
+    step(0)
+    step(1)
+    dcp.save({"xirang_fsdp": comp.state_dict()}, checkpoint_id=path)
+    saved = {k: v.clone() for k, v in comp.residuals.items()}
+    step(2)
+    changed = any(not torch.equal(saved[k], v) for k, v in comp.residuals.items())
+    sd = {"xirang_fsdp": comp.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    comp.load_state_dict(sd["xirang_fsdp"])
+    return {"changed": changed,
+            "restored": all(torch.equal(saved[k].view(torch.int32), v.view(torch.int32))
+                            for k, v in comp.residuals.items())}
+
+
 def w_errors():
     """Direct calls of a comm with bad input: each raises a RuntimeError, nothing hangs."""
     import xirang
@@ -282,6 +313,22 @@ def w_async():
     w = c(o2, inp, g, dist.ReduceOp.SUM, async_op=True)
     w.wait()
     return {"sync": o1, "async": o2, "is_work": isinstance(w, dist.Work)}
+
+
+def w_nonfinite():
+    """A compensated value beyond bf16's range (rounds to inf) or an inf input: that element's
+    residual restarts from 0 instead of becoming -inf/NaN; the other elements are unaffected."""
+    from xirang.fsdp import XirangReduceScatter
+
+    g = mp_pool.group()
+    ws = dist.get_world_size(g)
+    c = XirangReduceScatter("direct", None, "bf16", True, torch.float32, None)
+    inp = torch.full((4 * ws,), 1.0 + 2.0 ** -10)  # not a bf16 value: rounds to 1, a residual of +2^-10 each
+    inp[0] = 3.4e38  # finite in fp32, past the largest bf16 (3.3895e38) by over half a ulp: rounds to +inf
+    inp[1] = float("inf")
+    out = torch.empty(4)
+    c(out, inp, g, dist.ReduceOp.SUM)
+    return {"residual": c.residual.clone(), "out": out}
 
 
 # ====================================================================== test side
@@ -465,6 +512,37 @@ def test_state_dict_round_trip_and_reset(pool, ws):
 
 
 @pytest.mark.parametrize("ws", [2])
+def test_state_dict_through_dcp(pool, ws, tmp_path):
+    res = pool.run(w_dcp, str(tmp_path / "ckpt"))
+    for out in res:
+        assert out["changed"] and out["restored"], out
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_bf16_residual(pool, ws):
+    """residual_dtype=bf16: half the residual bytes; gradients within the fp32 residual's bound
+    (the residual's own rounding adds ~2^-9 of a residual, ~2^-17 of a gradient)."""
+    steps = 3
+    res = pool.run(w_grads, "bf16", True, steps=steps, residual_dtype=torch.bfloat16)
+    n = sum(math.prod(s) for _, s in sum(res[0]["layouts"].values(), []))
+    assert res[0]["stats"]["totals"]["residual_bytes"] >= 2 * n
+    assert res[0]["stats"]["totals"]["residual_bytes"] < 4 * n  # half of fp32's (padding aside)
+    for r, out in enumerate(res):
+        for name, vec in out["residuals"].items():
+            assert vec.dtype == torch.bfloat16
+            parts, pads = _unpad(vec, out["layouts"][name], ws)
+            assert int(torch.count_nonzero(pads)) == 0
+        prev = None
+        for t in range(steps):
+            want, per_rank = ref_grads(ws, t)
+            scale = abs_scale(per_rank, ws)
+            for nm, g in out["grads"][t].items():
+                both = scale[nm] + (prev[nm] if prev is not None else 0)
+                _assert_close(g, want[nm], 1.1 * BF16_REL, 1e-6, f"rank {r} step {t} {nm}", both)
+            prev = scale
+
+
+@pytest.mark.parametrize("ws", [2])
 def test_errors_are_clear(pool, ws):
     res = pool.run(w_errors)
     for r, out in enumerate(res):
@@ -486,6 +564,18 @@ def test_async_op_returns_work(pool, ws):
         _assert_close(out["sync"], want, 1e-7, 0, f"rank {r}")
 
 
+@pytest.mark.parametrize("ws", [2])
+def test_nonfinite_does_not_poison_the_residual(pool, ws):
+    res = pool.run(w_nonfinite)
+    for r, out in enumerate(res):
+        e = out["residual"]
+        assert e[0] == 0 and e[1] == 0, e[:2]
+        assert torch.equal(e[2:], torch.full((4 * ws - 2,), 2.0 ** -10)), e
+        if r == 0:  # rank 0 owns chunk 0: the non-finite elements reach the output as inf
+            assert math.isinf(float(out["out"][0])) and math.isinf(float(out["out"][1]))
+        assert torch.equal(out["out"][2:], torch.ones(2)), out["out"]
+
+
 def test_compress_rejects_bad_arguments():
     import xirang
 
@@ -495,3 +585,27 @@ def test_compress_rejects_bad_arguments():
         xirang.fsdp.compress(nn.Linear(2, 2), residual_dtype=torch.float16)
     with pytest.raises(ValueError, match="no FSDP module"):
         xirang.fsdp.compress(nn.Linear(2, 2))
+
+
+@pytest.mark.dedicated
+def test_benchmark_and_example_run(tmp_path):
+    """benchmarks/fsdp.py (over examples/train.py --fsdp) under torchrun, 2 ranks, a small digits
+    model: the bf16 run sends half the fp32 run's reduce-scatter bytes and trains as well."""
+    from conftest import require_backend
+
+    require_backend("xirang")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    summary = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(root, "benchmarks", "fsdp.py"), "--task", "digits", "--depth", "2", "--steps", "8",
+           "--warmup-steps", "2", "--no-progress", "--wires", "fp32,bf16", "--summary", str(summary)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    assert "reduce-scatter" in p.stdout and "bf16" in p.stdout, p.stdout[-2000:]
+    with open(summary) as f:
+        fp32, bf16 = json.load(f)["runs"]
+    assert fp32["fsdp_wire"] == "fp32" and bf16["fsdp_wire"] == "bf16"
+    assert bf16["bytes_wire_per_step"] * 2 == fp32["bytes_wire_per_step"] == bf16["bytes_raw_per_step"]
+    assert fp32["residual_bytes"] == 0 and bf16["residual_bytes"] >= 4 * fp32["parameters"]
+    assert abs(bf16["final_loss"] - fp32["final_loss"]) < 0.02 * fp32["final_loss"], (fp32, bf16)
