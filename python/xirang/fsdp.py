@@ -70,19 +70,23 @@ class XirangReduceScatter(_ReduceScatterBase):
         wire: ``"bf16"`` or ``"fp32"`` (no compression: the input's own dtype on the wire).
         error_feedback: whether residuals are kept (``wire="bf16"`` only).
         divide_factor: the user's gradient divide factor taken over at :func:`compress`, or
-            ``None`` (divide by the reduce-scatter group's size: the mean).
+            ``None`` (the mean: divide by ``mean_over``).
+        mean_over: the number of ranks the mean is over: the reduce-scatter group's size N, times
+            the replicate size R under HSDP (FSDP's all-reduce over the replicas then sums);
+            ``None``: the size of the group passed to the call.
         residual: this rank's residual, 1-D ``[N * S]`` in ``residual_dtype`` (the layout of
             FSDP's padded reduce-scatter input), or ``None`` (no error feedback, or world size 1).
     """
 
     def __init__(self, name: str, param_group: Any, wire: str, error_feedback: bool,
-                 residual_dtype: torch.dtype, divide_factor: Optional[float]):
+                 residual_dtype: torch.dtype, divide_factor: Optional[float], mean_over: Optional[int] = None):
         self.name = name
         self._param_group = param_group
         self.wire = wire
         self.error_feedback = bool(error_feedback) and wire != "fp32"
         self.residual_dtype = residual_dtype
         self.divide_factor = divide_factor
+        self.mean_over = mean_over
         self.residual: Optional[torch.Tensor] = None
         self.calls = 0
         self.resets = 0
@@ -213,7 +217,10 @@ class XirangReduceScatter(_ReduceScatterBase):
         acc.copy_(chunks[0])
         for j in range(1, ws):
             acc.add_(chunks[j])
-        acc.div_(float(self.divide_factor) if self.divide_factor is not None else float(ws))
+        if self.divide_factor is not None:
+            acc.div_(float(self.divide_factor))
+        else:
+            acc.div_(float(self.mean_over or ws))
         if acc is not out:
             out.copy_(acc)
 
@@ -230,12 +237,15 @@ class FSDPCompressor:
     Attributes:
         comms: name -> :class:`XirangReduceScatter`, in module order.
         world_size: the size of the reduce-scatter group (the mesh's shard dimension).
+        replicate_size: the HSDP replicate dimension's size (1 without HSDP).
+        rank: this process's global rank (the checkpoint keys carry it).
     """
 
     def __init__(self, comms: Dict[str, XirangReduceScatter], world_size: int, rank: int,
-                 wire: str, error_feedback: bool, residual_dtype: torch.dtype):
+                 wire: str, error_feedback: bool, residual_dtype: torch.dtype, replicate_size: int = 1):
         self.comms = comms
         self.world_size = world_size
+        self.replicate_size = replicate_size
         self.rank = rank
         self.wire = wire
         self.error_feedback = error_feedback
@@ -285,15 +295,17 @@ class FSDPCompressor:
         return f"rank{self.rank}.{name}"
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"world_size": N, "wire": ..., "residuals": {"rank<r>.<name>": tensor}}``.
+        """``{"world_size": N, "replicate_size": R, "wire": ..., "residuals": {"rank<r>.<name>": tensor}}``.
 
         Plain tensors (this rank's residuals, the live buffers: copy them to keep a snapshot)
         and plain values, so ``torch.save`` and ``torch.distributed.checkpoint`` (DCP) take it.
         Residuals differ across ranks, so each key carries the rank (DCP would otherwise keep
-        one rank's copy of an equal key). Groups without a residual have no entry.
+        one rank's copy of an equal key); ``r`` is the global rank. Groups without a residual have
+        no entry.
         """
         return {
             "world_size": self.world_size,
+            "replicate_size": self.replicate_size,
             "wire": self.wire,
             "residuals": {self._key(k): t for k, t in self.residuals.items()},
         }
@@ -310,12 +322,16 @@ class FSDPCompressor:
             raise TypeError(f"xirang.fsdp: load_state_dict expects FSDPCompressor.state_dict()'s dict, "
                             f"got {type(state_dict).__name__}")
         saved_ws = int(state_dict.get("world_size", -1))
+        saved_rs = int(state_dict.get("replicate_size", 1))
         res = state_dict["residuals"]
         for name, c in self.comms.items():
             if c.residual is None:
                 continue
             if saved_ws != self.world_size:
                 c._reset(f"the checkpoint is from world size {saved_ws}, this run has {self.world_size}")
+                continue
+            if saved_rs != self.replicate_size:
+                c._reset(f"the checkpoint is from replicate size {saved_rs}, this run has {self.replicate_size}")
                 continue
             t = res.get(self._key(name))
             if t is None:
@@ -382,19 +398,26 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
             the residual has the size of FSDP's padded reduce-scatter input, i.e. the unsharded
             gradient of every group: 4 bytes per element for fp32, 2 for bf16 (on top of FSDP's
             sharded state: O(model) per rank, which erodes FSDP's memory saving). A bf16
-            residual is itself rounded when stored (relative error 2^-9 of the residual, about
-            2^-18 of the gradient): the telescoping sum is then exact only to that error per step.
+            residual is itself rounded when stored (at most 2^-8 of the residual, which is at
+            most 2^-8 of the compensated gradient: 2^-16 of it): that much of each step's
+            rounding error is lost, so the telescoping sum holds only to that error per step.
 
-    World size 1: FSDP skips the reduce-scatter (it copies, dividing by its own factor); the comm
-    is installed but FSDP's settings are left as they are and no residual is kept.
+    HSDP (a 2-D mesh, replicate x shard): the reduce-scatter over the shard dimension (size N)
+    is compressed and divides by N x R (or by the user's factor); FSDP's own all-reduce over the
+    R replicas then sums in the reduce dtype, uncompressed (FSDP2 runs a user all-reduce hook
+    only after its own all-reduce under HSDP, so the replicate dimension cannot be replaced).
+
+    World size 1 (or a shard dimension of size 1): FSDP skips the reduce-scatter (it copies,
+    dividing by its own factor); the comm is installed but FSDP's settings are left as they are
+    and no residual is kept.
 
     Returns:
         an :class:`FSDPCompressor` (keep it for ``stats()`` and checkpoints).
 
     Raises:
         ValueError: bad ``wire`` / ``residual_dtype``, no FSDP module under ``module``, or a
-            module with several parameter groups. NotImplementedError: HSDP (a 2-D mesh) or a
-            replicate-only mesh. ImportError: a torch without FSDP2 custom comms (< 2.9).
+            module with several parameter groups. NotImplementedError: a replicate-only mesh
+            (``replicate()``: no reduce-scatter). ImportError: a torch without FSDP2 custom comms (< 2.9).
     """
     if FSDPModule is None:
         raise ImportError("xirang.fsdp needs torch >= 2.9 (FSDP2's set_custom_reduce_scatter)")
@@ -411,14 +434,15 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
     sizes = set()
     for name, _st, pg in groups:
         mi = pg.mesh_info
-        if isinstance(mi, DDPMeshInfo) or not isinstance(mi, FSDPMeshInfo):
-            raise NotImplementedError(f"xirang.fsdp.compress: {name} uses a {type(mi).__name__} (HSDP or "
-                                      "replicate-only mesh); only a 1-D shard mesh is supported yet")
-        sizes.add(pg._reduce_scatter_process_group.size())
+        if not isinstance(mi, FSDPMeshInfo):
+            raise NotImplementedError(f"xirang.fsdp.compress: {name} uses a {type(mi).__name__} (a replicate-only "
+                                      "mesh: no reduce-scatter); use a shard or HSDP mesh")
+        rep = mi.replicate_mesh_size if isinstance(mi, DDPMeshInfo) else 1  # HSDPMeshInfo is both
+        sizes.add((pg._reduce_scatter_process_group.size(), rep))
     if len(sizes) != 1:
-        raise ValueError(f"xirang.fsdp.compress: the FSDP modules reduce-scatter over groups of sizes {sorted(sizes)}")
-    ws = sizes.pop()
-    rank = _rank(groups[0][2]._reduce_scatter_process_group)
+        raise ValueError(f"xirang.fsdp.compress: the FSDP modules' (shard, replicate) sizes differ: {sorted(sizes)}")
+    ws, rep = sizes.pop()
+    rank = _rank(None)
 
     comms: Dict[str, XirangReduceScatter] = {}
     for name, st_module, pg in groups:
@@ -428,7 +452,7 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
             raise ValueError(f"xirang.fsdp.compress: {name}'s gradient divide factor must be a positive number, "
                              f"got {factor!r}")
         comm = XirangReduceScatter(name, pg, wire, error_feedback, residual_dtype,
-                                   None if factor is None else float(factor))
+                                   None if factor is None else float(factor), mean_over=ws * rep)
         if comm.error_feedback and ws > 1:
             n = ws * sum(p.padded_sharded_param_size.numel() for p in pg.fsdp_params
                          if p.sharded_param.requires_grad)
@@ -440,4 +464,4 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
             st_module.set_gradient_divide_factor(1.0)
             st_module.set_force_sum_reduction_for_comms(True)
         comms[name] = comm
-    return FSDPCompressor(comms, ws, rank, wire, bool(error_feedback) and wire != "fp32", residual_dtype)
+    return FSDPCompressor(comms, ws, rank, wire, bool(error_feedback) and wire != "fp32", residual_dtype, rep)
