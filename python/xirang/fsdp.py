@@ -385,7 +385,8 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
     the user set with ``set_gradient_divide_factor(f)`` before this call (then ``sum / f``).
     This also avoids FSDP's ``PREMUL_SUM`` on bf16 reduce-scatters (pytorch#157485). Call it
     after ``fully_shard`` and before the first backward; calling it again rebuilds the comms
-    (residuals restart from zero; the factor taken over earlier is kept).
+    (residuals restart from zero; the factor taken over earlier is kept unless a new one was set
+    with ``set_gradient_divide_factor`` since).
 
     Args:
         module: the root of an FSDP2 tree (``fully_shard`` applied to it or to submodules).
@@ -447,7 +448,12 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
     comms: Dict[str, XirangReduceScatter] = {}
     for name, st_module, pg in groups:
         old = pg._reduce_scatter_comm
-        factor = old.divide_factor if isinstance(old, XirangReduceScatter) else pg.gradient_divide_factor
+        # Compressed before: keep the factor taken over then, unless the user set a new one since
+        # (the group's factor is no longer the 1.0 compress() set).
+        if isinstance(old, XirangReduceScatter) and pg.gradient_divide_factor == 1.0:
+            factor = old.divide_factor
+        else:
+            factor = pg.gradient_divide_factor
         if factor is not None and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
             raise ValueError(f"xirang.fsdp.compress: {name}'s gradient divide factor must be a positive number, "
                              f"got {factor!r}")

@@ -238,6 +238,21 @@ def w_state_dict():
             "zero_groups": zero_groups, "n_groups": len(comp.residuals)}
 
 
+def w_recompress():
+    """compress(); the user sets a factor on l1; compress() again takes it over (l1: sum / 4,
+    the rest: the mean), fp32 wire."""
+    import xirang
+
+    net = make_net(0)
+    _shard(net, _mesh())
+    xirang.fsdp.compress(net, wire="fp32")
+    net.l1.set_gradient_divide_factor(4.0)
+    comp = xirang.fsdp.compress(net, wire="fp32")
+    x, y = batch(0, 0, _rank())
+    loss_of(net(x), y).backward()
+    return {"grads": _full_grads(net), "factors": {k: c.divide_factor for k, c in comp.comms.items()}}
+
+
 def w_dcp(path):
     """The compressor's state_dict through torch.distributed.checkpoint (save, then load in place)."""
     import torch.distributed.checkpoint as dcp
@@ -570,6 +585,18 @@ def test_errors_are_clear(pool, ws):
         assert "floating-point" in out["int"], out["int"]
         assert out["residual_untouched"]
         assert "was changed after xirang.fsdp.compress()" in out["factor_changed"], out["factor_changed"]
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_recompress_takes_a_new_factor(pool, ws):
+    res = pool.run(w_recompress)
+    mean, _ = ref_grads(ws, 0)
+    summed, _ = ref_grads(ws, 0, factor=4.0)
+    for r, out in enumerate(res):
+        assert out["factors"] == {"l1": 4.0, "l2": None, "<root>": None}, out["factors"]
+        for n, g in out["grads"].items():
+            want = summed[n] if n.startswith("l1.") else mean[n]
+            _assert_close(g, want, 1e-5, 1e-7, f"rank {r} {n}")
 
 
 @pytest.mark.parametrize("ws", [2])
