@@ -86,8 +86,15 @@ class XirangReduceScatter(_ReduceScatterBase):
         self.error_feedback = bool(error_feedback) and wire != "fp32"
         self.residual_dtype = residual_dtype
         self.divide_factor = divide_factor
+        self.user_factor = divide_factor  # the factor the user asked for (compress() sets it)
         self.mean_over = mean_over
         self.residual: Optional[torch.Tensor] = None
+        # HSDP with compress(replicate_group=...): the all-reduce hook's state (see all_reduce_hook)
+        self.replicate_group: Optional[dist.ProcessGroup] = None
+        self.replicate_residual: Optional[torch.Tensor] = None
+        self._replicate_staged: Optional[torch.Tensor] = None
+        self.replicate_bytes_wire_last = 0
+        self.replicate_bytes_raw_last = 0
         self.calls = 0
         self.resets = 0
         self.bytes_wire_last = 0
@@ -224,11 +231,47 @@ class XirangReduceScatter(_ReduceScatterBase):
         if acc is not out:
             out.copy_(acc)
 
+    def all_reduce_hook(self, reduce_output: torch.Tensor) -> None:
+        """FSDP all-reduce hook (``set_all_reduce_hook``): the mean over ``replicate_group`` of
+        this rank's reduce-scatter output (1-D ``[S]``), in place.
+
+        fp32 output with ``wire="bf16"``: xirang's BF16 error-feedback ring allreduce
+        (``allreduce_ef``, the DDP hook's operation: bf16 on the wire, fp32 sums, the residual
+        ``replicate_residual`` of ``[S]`` fp32, committed only when the result is finite);
+        otherwise a plain AVG all-reduce in the output's dtype. Raises ``TypeError`` when the
+        group is not served by xirang for the bf16 path.
+        """
+        g = self.replicate_group
+        r = g.size()
+        n = reduce_output.numel()
+        use_ef = self.wire == "bf16" and reduce_output.dtype == torch.float32 and reduce_output.is_contiguous()
+        self.replicate_bytes_raw_last = 2 * (r - 1) * n * reduce_output.element_size() // r
+        if not use_ef:
+            self.replicate_bytes_wire_last = self.replicate_bytes_raw_last
+            dist.all_reduce(reduce_output, op=dist.ReduceOp.AVG, group=g)
+            return
+        from ._backend import backend_for  # noqa: PLC0415
+
+        if self.replicate_residual is None or self.replicate_residual.numel() != n:
+            if self.replicate_residual is not None:
+                self._reset(f"the replicate all-reduce has {n} elements, the residual "
+                            f"{self.replicate_residual.numel()}")
+            self.replicate_residual = torch.zeros(n, dtype=torch.float32, device=reduce_output.device)
+        if self._replicate_staged is None or self._replicate_staged.numel() != n:
+            self._replicate_staged = torch.zeros_like(self.replicate_residual)
+        self.replicate_bytes_wire_last = 2 * (r - 1) * n * 2 // r
+        work = backend_for(g).allreduce_ef(reduce_output, self.replicate_residual, self._replicate_staged,
+                                           -1, label=f"fsdp replicate {self.name}")
+        work.wait()
+        if self.error_feedback and bool(torch.isfinite(reduce_output).all()):
+            self.replicate_residual, self._replicate_staged = self._replicate_staged, self.replicate_residual
+
     def _reset(self, why: str) -> None:
         self.resets += 1
         log.warning("xirang.fsdp: residual of %r reset to zero: %s", self.name, why)
-        if self.residual is not None:
-            self.residual.zero_()
+        for t in (self.residual, self.replicate_residual):
+            if t is not None:
+                t.zero_()
 
 
 class FSDPCompressor:
@@ -253,8 +296,16 @@ class FSDPCompressor:
 
     @property
     def residuals(self) -> Dict[str, torch.Tensor]:
-        """name -> this rank's live residual (1-D ``[N * S]``); only groups that have one."""
-        return {k: c.residual for k, c in self.comms.items() if c.residual is not None}
+        """name -> this rank's live reduce-scatter residual (1-D ``[N * S]``), and
+        ``name + ".replicate"`` -> the replicate all-reduce's (1-D ``[S]``, with
+        ``replicate_group``); only groups that have one."""
+        out = {}
+        for k, c in self.comms.items():
+            if c.residual is not None:
+                out[k] = c.residual
+            if c.replicate_residual is not None:
+                out[k + ".replicate"] = c.replicate_residual
+        return out
 
     def stats(self) -> Dict[str, Any]:
         """This rank's view: ``{"groups": [...], "totals": {...}}``.
@@ -265,9 +316,12 @@ class FSDPCompressor:
         reduce-scatter would send), their ``*_total`` sums, ``residual_bytes`` (bytes of the
         residual: ``N x S x`` 4 for fp32, 2 for bf16; 0 without error feedback),
         ``residual_resets`` (resets to zero: world size or shape changes, loads, ``reset()``).
+        ``replicate_bytes_wire_last`` / ``replicate_bytes_raw_last``: the replicate all-reduce's
+        (``replicate_group``; ring allreduce ``2 (R-1)/R x S x`` itemsize, bf16 vs the output's
+        dtype; 0 without it); ``residual_bytes`` includes its residual (``S x 4``).
         ``totals``: ``bytes_wire_per_step`` and ``bytes_raw_per_step`` (sums of the groups' last
-        calls: one step's bytes when every group reduce-scatters once a step),
-        ``residual_bytes``, ``calls``.
+        calls: one step's bytes when every group reduce-scatters once a step), the same two for
+        the replicate all-reduce (``replicate_*``), ``residual_bytes``, ``calls``.
         """
         groups = []
         for name, c in self.comms.items():
@@ -278,12 +332,17 @@ class FSDPCompressor:
                 "bytes_raw_last": c.bytes_raw_last,
                 "bytes_wire_total": c.bytes_wire_total,
                 "bytes_raw_total": c.bytes_raw_total,
-                "residual_bytes": 0 if c.residual is None else c.residual.numel() * c.residual.element_size(),
+                "residual_bytes": sum(t.numel() * t.element_size() for t in (c.residual, c.replicate_residual)
+                                      if t is not None),
+                "replicate_bytes_wire_last": c.replicate_bytes_wire_last,
+                "replicate_bytes_raw_last": c.replicate_bytes_raw_last,
                 "residual_resets": c.resets,
             })
         totals = {
             "bytes_wire_per_step": sum(g["bytes_wire_last"] for g in groups),
             "bytes_raw_per_step": sum(g["bytes_raw_last"] for g in groups),
+            "replicate_bytes_wire_per_step": sum(g["replicate_bytes_wire_last"] for g in groups),
+            "replicate_bytes_raw_per_step": sum(g["replicate_bytes_raw_last"] for g in groups),
             "residual_bytes": sum(g["residual_bytes"] for g in groups),
             "calls": sum(g["calls"] for g in groups),
         }
@@ -325,7 +384,9 @@ class FSDPCompressor:
         saved_rs = int(state_dict.get("replicate_size", 1))
         res = state_dict["residuals"]
         for name, c in self.comms.items():
-            if c.residual is None:
+            live = [(k, t) for k, t in ((name, c.residual), (name + ".replicate", c.replicate_residual))
+                    if t is not None]
+            if not live:
                 continue
             if saved_ws != self.world_size:
                 c._reset(f"the checkpoint is from world size {saved_ws}, this run has {self.world_size}")
@@ -333,14 +394,16 @@ class FSDPCompressor:
             if saved_rs != self.replicate_size:
                 c._reset(f"the checkpoint is from replicate size {saved_rs}, this run has {self.replicate_size}")
                 continue
-            t = res.get(self._key(name))
-            if t is None:
-                c._reset(f"the checkpoint has no residual {self._key(name)!r}")
-            elif tuple(t.shape) != tuple(c.residual.shape):
-                c._reset(f"the checkpoint's residual has shape {tuple(t.shape)}, the parameter group needs "
-                         f"{tuple(c.residual.shape)} (the parameter group changed)")
-            else:
-                c.residual.copy_(t)
+            saved = [(res.get(self._key(k)), t) for k, t in live]
+            bad = [f"the checkpoint has no residual {self._key(k)!r}" for (k, _), (s, _) in zip(live, saved) if s is None]
+            bad += [f"the checkpoint's residual has shape {tuple(s.shape)}, the parameter group needs "
+                    f"{tuple(t.shape)} (the parameter group changed)" for s, t in saved
+                    if s is not None and tuple(s.shape) != tuple(t.shape)]
+            if bad:
+                c._reset("; ".join(bad))
+                continue
+            for s, t in saved:
+                t.copy_(s)
 
     def reset(self) -> None:
         """Zero every residual (logged)."""
@@ -374,7 +437,8 @@ def _fsdp_groups(module: nn.Module) -> List[Tuple[str, Any, Any]]:
 
 
 def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
-             residual_dtype: torch.dtype = torch.float32) -> FSDPCompressor:
+             residual_dtype: torch.dtype = torch.float32,
+             replicate_group: Optional[dist.ProcessGroup] = None) -> FSDPCompressor:
     r"""Make every FSDP parameter group under ``module`` reduce-scatter through xirang's scheme.
 
     For each distinct FSDP state (an ``FSDPModule``, or the modules of one list-form
@@ -402,11 +466,22 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
             residual is itself rounded when stored (at most 2^-8 of the residual, which is at
             most 2^-8 of the compensated gradient: 2^-16 of it): that much of each step's
             rounding error is lost, so the telescoping sum holds only to that error per step.
+        replicate_group: HSDP with a compressed replicate dimension: ``fully_shard`` on the
+            shard dimension only (a 1-D mesh, e.g. ``mesh["shard"]``) and pass the replicate
+            dimension's group here (``mesh["replicate"].get_group()``, served by xirang). Each
+            group's reduce-scatter then divides by N only and an all-reduce hook
+            (:meth:`XirangReduceScatter.all_reduce_hook`, ``set_all_reduce_hook``) averages the
+            output over the R replicas with xirang's BF16 error-feedback allreduce (residual
+            ``S x 4`` bytes per rank; a user factor f becomes ``sum / f`` overall). The
+            parameters' shards are broadcast from the replicate group's rank 0 here, so the
+            replicas start equal. ``None`` (default): no replicate dimension, or FSDP's native
+            HSDP (below).
 
-    HSDP (a 2-D mesh, replicate x shard): the reduce-scatter over the shard dimension (size N)
-    is compressed and divides by N x R (or by the user's factor); FSDP's own all-reduce over the
-    R replicas then sums in the reduce dtype, uncompressed (FSDP2 runs a user all-reduce hook
-    only after its own all-reduce under HSDP, so the replicate dimension cannot be replaced).
+    Native HSDP (``fully_shard`` on a 2-D replicate x shard mesh): the reduce-scatter over the
+    shard dimension (size N) is compressed and divides by N x R (or by the user's factor);
+    FSDP's own all-reduce over the R replicas then sums in the reduce dtype, uncompressed (FSDP2
+    runs a user all-reduce hook only after its own all-reduce there). To compress the replicate
+    dimension as well, use ``replicate_group`` on a 1-D shard mesh.
 
     World size 1 (or a shard dimension of size 1): FSDP skips the reduce-scatter (it copies,
     dividing by its own factor); the comm is installed but FSDP's settings are left as they are
@@ -416,8 +491,10 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
         an :class:`FSDPCompressor` (keep it for ``stats()`` and checkpoints).
 
     Raises:
-        ValueError: bad ``wire`` / ``residual_dtype``, no FSDP module under ``module``, or a
-            module with several parameter groups. NotImplementedError: a replicate-only mesh
+        ValueError: bad ``wire`` / ``residual_dtype``, no FSDP module under ``module``, a
+            module with several parameter groups, ``replicate_group`` with a 2-D mesh or a
+            shard dimension of size 1. TypeError: ``replicate_group`` not served by xirang
+            (``wire="bf16"``). NotImplementedError: a replicate-only mesh
             (``replicate()``: no reduce-scatter). ImportError: a torch without FSDP2 custom comms (< 2.9).
     """
     if FSDPModule is None:
@@ -444,6 +521,22 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
         raise ValueError(f"xirang.fsdp.compress: the FSDP modules' (shard, replicate) sizes differ: {sorted(sizes)}")
     ws, rep = sizes.pop()
     rank = _rank(None)
+    if replicate_group is not None:
+        if ws == 1:
+            raise ValueError("xirang.fsdp.compress: replicate_group needs a shard dimension of size > 1 "
+                             "(at 1 FSDP skips the reduce-scatter and the hook); use DDP over the replicas")
+        if rep != 1:
+            raise ValueError("xirang.fsdp.compress: replicate_group goes with fully_shard on a 1-D shard mesh; "
+                             "this module is on a 2-D (native HSDP) mesh")
+        rep = replicate_group.size()
+        if wire == "bf16":
+            from ._backend import backend_for  # noqa: PLC0415
+
+            backend_for(replicate_group)  # TypeError now, naming the backend, if not xirang
+        with torch.no_grad():  # the replicas start equal (FSDP broadcasts nothing across them)
+            for _name, _st, pg in groups:
+                for fp in pg.fsdp_params:
+                    dist.broadcast(fp.sharded_param.to_local(), group=replicate_group, group_src=0)
 
     comms: Dict[str, XirangReduceScatter] = {}
     for name, st_module, pg in groups:
@@ -451,14 +544,20 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
         # Compressed before: keep the factor taken over then, unless the user set a new one since
         # (the group's factor is no longer the 1.0 compress() set).
         if isinstance(old, XirangReduceScatter) and pg.gradient_divide_factor == 1.0:
-            factor = old.divide_factor
+            factor = old.user_factor
         else:
             factor = pg.gradient_divide_factor
         if factor is not None and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
             raise ValueError(f"xirang.fsdp.compress: {name}'s gradient divide factor must be a positive number, "
                              f"got {factor!r}")
-        comm = XirangReduceScatter(name, pg, wire, error_feedback, residual_dtype,
-                                   None if factor is None else float(factor), mean_over=ws * rep)
+        if replicate_group is not None:  # the hook's all-reduce averages over the R replicas
+            comm = XirangReduceScatter(name, pg, wire, error_feedback, residual_dtype,
+                                       None if factor is None else float(factor) / rep, mean_over=ws)
+            comm.replicate_group = replicate_group
+        else:
+            comm = XirangReduceScatter(name, pg, wire, error_feedback, residual_dtype,
+                                       None if factor is None else float(factor), mean_over=ws * rep)
+        comm.user_factor = None if factor is None else float(factor)
         if comm.error_feedback and ws > 1:
             n = ws * sum(p.padded_sharded_param_size.numel() for p in pg.fsdp_params
                          if p.sharded_param.requires_grad)
@@ -466,6 +565,12 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
         else:
             comm.error_feedback = comm.error_feedback and ws > 1
         st_module.set_custom_reduce_scatter(comm)
+        if replicate_group is not None:
+            if comm.wire == "bf16" and comm.error_feedback:
+                n_out = sum(p.padded_sharded_param_size.numel() for p in pg.fsdp_params
+                            if p.sharded_param.requires_grad)
+                comm.replicate_residual = torch.zeros(n_out, dtype=torch.float32, device=pg.device)
+            st_module.set_all_reduce_hook(comm.all_reduce_hook)
         if ws > 1:
             st_module.set_gradient_divide_factor(1.0)
             st_module.set_force_sum_reduction_for_comms(True)

@@ -348,6 +348,38 @@ def w_hsdp(wire, steps=2):
     return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats()}
 
 
+def w_hsdp_hook(wire, steps=2):
+    """HSDP with the replicate dimension through xirang: fully_shard on mesh["shard"], compress
+    with replicate_group; replica 1's parameters start perturbed (compress broadcasts replica 0's)."""
+    import xirang
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    net = make_net(0)
+    if mesh.get_coordinate()[0] != 0:
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(1.0)
+    _shard(net, mesh["shard"])
+    comp = xirang.fsdp.compress(net, wire=wire, replicate_group=mesh["replicate"].get_group())
+    res = []
+    for t in range(steps):
+        net.zero_grad(set_to_none=True)
+        x, y = batch(0, t, _rank())
+        loss_of(net(x), y).backward()
+        res.append(_full_grads(net))
+    sd = comp.state_dict()
+    sd = dict(sd, residuals={k: v.clone() for k, v in sd["residuals"].items()})
+    net.zero_grad(set_to_none=True)
+    x, y = batch(0, steps, _rank())
+    loss_of(net(x), y).backward()  # residuals move on
+    comp.load_state_dict(sd)
+    live = comp.state_dict()["residuals"]
+    restored = all(torch.equal(v, live[k]) for k, v in sd["residuals"].items())
+    return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats(),
+            "keys": sorted(sd["residuals"]), "restored": restored}
+
+
 def w_nonfinite():
     """A compensated value beyond bf16's range (rounds to inf) or an inf input: that element's
     residual restarts from 0 instead of becoming -inf/NaN; the other elements are unaffected."""
@@ -631,6 +663,37 @@ def test_hsdp_2x2(pool, ws, wire):
         prev = scale
     rb = res[0]["stats"]["totals"]["residual_bytes"]
     assert rb == 0 if wire == "fp32" else rb >= 4 * sum(v.numel() for v in want.values())
+
+
+@pytest.mark.parametrize("ws", [4])
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_hsdp_replicate_hook_2x2(pool, ws, wire):
+    """HSDP through compress(replicate_group=...): the shard reduce-scatter divides by 2, the
+    all-reduce hook averages over the 2 replicas (bf16 error feedback for wire bf16): the mean
+    over all 4 ranks' batches, from replica 0's parameters."""
+    steps = 2
+    res = pool.run(w_hsdp_hook, wire, steps, timeout=90)
+    assert res[0]["sizes"] == (2, 2)
+    prev = None
+    for t in range(steps):
+        want, per_rank = ref_grads(ws, t)
+        scale = abs_scale(per_rank, ws)
+        for r, out in enumerate(res):
+            for n, g in out["grads"][t].items():
+                if wire == "fp32":
+                    _assert_close(g, want[n], 1e-5, 1e-6, f"step {t} rank {r} {n}")
+                else:  # two roundings (reduce-scatter, replicate all-reduce), each with its residual
+                    both = scale[n] + (prev[n] if prev is not None else 0)
+                    _assert_close(g, want[n], 2.1 * BF16_REL, 1e-6, f"step {t} rank {r} {n}", both)
+        prev = scale
+    tot = res[0]["stats"]["totals"]
+    if wire == "bf16":
+        assert tot["replicate_bytes_wire_per_step"] * 2 == tot["replicate_bytes_raw_per_step"] > 0
+        for r, out in enumerate(res):
+            assert any(k.endswith(".replicate") and k.startswith(f"rank{r}.") for k in out["keys"]), out["keys"]
+            assert out["restored"]
+    else:
+        assert tot["replicate_bytes_wire_per_step"] == tot["replicate_bytes_raw_per_step"] > 0
 
 
 @pytest.mark.parametrize("ws", [2])
