@@ -235,20 +235,27 @@ class XirangReduceScatter(_ReduceScatterBase):
         """FSDP all-reduce hook (``set_all_reduce_hook``): the mean over ``replicate_group`` of
         this rank's reduce-scatter output (1-D ``[S]``), in place.
 
-        fp32 output with ``wire="bf16"``: xirang's BF16 error-feedback ring allreduce
-        (``allreduce_ef``, the DDP hook's operation: bf16 on the wire, fp32 sums, the residual
-        ``replicate_residual`` of ``[S]`` fp32, committed only when the result is finite);
-        otherwise a plain AVG all-reduce in the output's dtype. Raises ``TypeError`` when the
+        fp32 output with ``wire="bf16"`` and error feedback: xirang's BF16 error-feedback ring
+        allreduce (``allreduce_ef``, the DDP hook's operation: bf16 on the wire, fp32 sums, the
+        residual ``replicate_residual`` of ``[S]`` fp32, committed only when the result is
+        finite); ``wire="bf16"`` without error feedback: an AVG all-reduce of the output rounded
+        to bf16 (xirang sums 16-bit inputs in fp32 and rounds once); otherwise an AVG all-reduce
+        in the output's dtype. Raises ``TypeError`` when the
         group is not served by xirang for the bf16 path.
         """
         g = self.replicate_group
         r = g.size()
         n = reduce_output.numel()
-        use_ef = self.wire == "bf16" and reduce_output.dtype == torch.float32 and reduce_output.is_contiguous()
         self.replicate_bytes_raw_last = 2 * (r - 1) * n * reduce_output.element_size() // r
-        if not use_ef:
+        if self.wire != "bf16" or reduce_output.dtype == torch.bfloat16:
             self.replicate_bytes_wire_last = self.replicate_bytes_raw_last
             dist.all_reduce(reduce_output, op=dist.ReduceOp.AVG, group=g)
+            return
+        self.replicate_bytes_wire_last = 2 * (r - 1) * n * 2 // r
+        if not self.error_feedback or reduce_output.dtype != torch.float32 or not reduce_output.is_contiguous():
+            q = reduce_output.to(torch.bfloat16)
+            dist.all_reduce(q, op=dist.ReduceOp.AVG, group=g)
+            reduce_output.copy_(q)
             return
         from ._backend import backend_for  # noqa: PLC0415
 
@@ -259,11 +266,10 @@ class XirangReduceScatter(_ReduceScatterBase):
             self.replicate_residual = torch.zeros(n, dtype=torch.float32, device=reduce_output.device)
         if self._replicate_staged is None or self._replicate_staged.numel() != n:
             self._replicate_staged = torch.zeros_like(self.replicate_residual)
-        self.replicate_bytes_wire_last = 2 * (r - 1) * n * 2 // r
         work = backend_for(g).allreduce_ef(reduce_output, self.replicate_residual, self._replicate_staged,
                                            -1, label=f"fsdp replicate {self.name}")
         work.wait()
-        if self.error_feedback and bool(torch.isfinite(reduce_output).all()):
+        if bool(torch.isfinite(reduce_output).all()):
             self.replicate_residual, self._replicate_staged = self._replicate_staged, self.replicate_residual
 
     def _reset(self, why: str) -> None:
@@ -318,7 +324,8 @@ class FSDPCompressor:
         ``residual_resets`` (resets to zero: world size or shape changes, loads, ``reset()``).
         ``replicate_bytes_wire_last`` / ``replicate_bytes_raw_last``: the replicate all-reduce's
         (``replicate_group``; ring allreduce ``2 (R-1)/R x S x`` itemsize, bf16 vs the output's
-        dtype; 0 without it); ``residual_bytes`` includes its residual (``S x 4``).
+        dtype; 0 without it); ``residual_bytes`` includes its residual and staging buffer
+        (``S x 4`` each, the staging allocated at the first call).
         ``totals``: ``bytes_wire_per_step`` and ``bytes_raw_per_step`` (sums of the groups' last
         calls: one step's bytes when every group reduce-scatters once a step), the same two for
         the replicate all-reduce (``replicate_*``), ``residual_bytes``, ``calls``.
@@ -332,7 +339,8 @@ class FSDPCompressor:
                 "bytes_raw_last": c.bytes_raw_last,
                 "bytes_wire_total": c.bytes_wire_total,
                 "bytes_raw_total": c.bytes_raw_total,
-                "residual_bytes": sum(t.numel() * t.element_size() for t in (c.residual, c.replicate_residual)
+                "residual_bytes": sum(t.numel() * t.element_size()
+                                      for t in (c.residual, c.replicate_residual, c._replicate_staged)
                                       if t is not None),
                 "replicate_bytes_wire_last": c.replicate_bytes_wire_last,
                 "replicate_bytes_raw_last": c.replicate_bytes_raw_last,
@@ -471,8 +479,8 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
             dimension's group here (``mesh["replicate"].get_group()``, served by xirang). Each
             group's reduce-scatter then divides by N only and an all-reduce hook
             (:meth:`XirangReduceScatter.all_reduce_hook`, ``set_all_reduce_hook``) averages the
-            output over the R replicas with xirang's BF16 error-feedback allreduce (residual
-            ``S x 4`` bytes per rank; a user factor f becomes ``sum / f`` overall). The
+            output over the R replicas with xirang's BF16 error-feedback allreduce (residual and
+            staging ``S x 4`` bytes each per rank; a user factor f becomes ``sum / f`` overall). The
             parameters' shards are broadcast from the replicate group's rank 0 here, so the
             replicas start equal. ``None`` (default): no replicate dimension, or FSDP's native
             HSDP (below).
