@@ -25,6 +25,11 @@ fp32 sum at the owner) with sender-side error feedback added as in xirang's DDP 
 (:mod:`xirang.hooks`) and CGX / DeepSpeed's ``worker_error``: every rounding error is fed back
 into the next step's input, so that the sum over steps of what the owners received equals the sum
 of the true gradients minus the current residuals (it telescopes).
+
+HSDP: on FSDP's native 2-D mesh the shard dimension is compressed as above (dividing by shard x
+replicate size) and FSDP's all-reduce over the replicas sums; with ``compress(...,
+replicate_group=g)`` on a 1-D shard mesh an all-reduce hook averages over the replicas with
+xirang's BF16 error-feedback allreduce as well (see :func:`compress`).
 """
 from __future__ import annotations
 
@@ -573,6 +578,8 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
         else:
             comm.error_feedback = comm.error_feedback and ws > 1
         st_module.set_custom_reduce_scatter(comm)
+        if getattr(getattr(pg, "_all_reduce_hook", None), "__self__", None) is old:
+            pg._all_reduce_hook = None  # an earlier compress(replicate_group=...)'s hook goes with its comm
         if replicate_group is not None:
             if comm.wire == "bf16" and comm.error_feedback:
                 n_out = sum(p.padded_sharded_param_size.numel() for p in pg.fsdp_params
