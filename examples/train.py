@@ -6,6 +6,7 @@ Launch with torchrun (one process per rank)::
     torchrun --nproc_per_node=2 examples/train.py                      # xirang + bf16-ef hook
     torchrun --nproc_per_node=2 examples/train.py --backend gloo --hook none
     torchrun --nproc_per_node=2 examples/train.py --task text --steps 300
+    torchrun --nproc_per_node=2 examples/train.py --task text --fsdp       # FSDP2 + xirang.fsdp.compress
 
 The tasks, data and models are in examples/tasks.py (digits: sklearn's handwritten digits and a
 24-block residual MLP; text: a byte-level GPT-style decoder on the Python standard library's
@@ -31,6 +32,7 @@ import random
 import signal
 import sys
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -54,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hook", choices=["none", "bf16-ef"], default=None,
                    help="DDP comm hook: none = DDP's own allreduce; bf16-ef = xirang's bf16 with error "
                         "feedback (needs --backend xirang). Default: bf16-ef with xirang, none with gloo")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 instead of DDP: fully_shard on every block and the root, the reduce-scatter "
+                        "through xirang.fsdp.compress (--fsdp-wire); --hook does not apply")
+    p.add_argument("--fsdp-wire", choices=["bf16", "bf16-noef", "fp32"], default="bf16",
+                   help="--fsdp: bf16 with error feedback, bf16 without it, or fp32 (no compression)")
     p.add_argument("--layers-per-group", type=int, default=8)
     p.add_argument("--bucket-cap-mb", type=float, default=0.25,
                    help="DDP bucket cap; small buckets keep the hook's launch delay small")
@@ -97,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Fill the task-dependent defaults; p.error() on settings that do not go together."""
+    if args.fsdp:
+        if args.elastic or args.save or args.resume:
+            p.error("--fsdp: --elastic, --save and --resume are not supported with FSDP2 in this example")
+        if args.hook not in (None, "none"):
+            p.error("--fsdp replaces DDP: --hook does not apply (choose --fsdp-wire)")
+        args.hook = "none"
     if args.hook is None:
         args.hook = "bf16-ef" if args.backend == "xirang" else "none"
     if args.batch_size is None:
@@ -142,6 +155,24 @@ def make_ddp(model, args: argparse.Namespace, device: torch.device, xirang: Any,
     return ddp, state
 
 
+def make_fsdp(model, args: argparse.Namespace, device: torch.device, xirang: Any):
+    """FSDP2 over the default group (a 1-D mesh): fully_shard on each block, then the root;
+    xirang.fsdp.compress for the reduce-scatters. Returns (the model, the compressor)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # FSDP2 warns once per module whose output is a view (a Linear on 3-D input): the tasks never
+    # modify a module's output in place, which is what the warning is about.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model:
+        if any(p.requires_grad for p in block.parameters()):
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    wire, ef = {"bf16": ("bf16", True), "bf16-noef": ("bf16", False), "fp32": ("fp32", False)}[args.fsdp_wire]
+    return model, xirang.fsdp.compress(model, wire=wire, error_feedback=ef)
+
+
 def save_checkpoint(path: str, launch: Launch, step: int, ddp: DDP, opt, state: Any, losses: List[float],
                     args: argparse.Namespace) -> None:
     """One file per rank (the hook's residuals are per rank): DIR/rank<R>.pt, written atomically."""
@@ -178,8 +209,8 @@ def train(args: argparse.Namespace, launch: Launch, data: Any, device: torch.dev
     ``after(ddp, state)``, when given, runs once the summary is made (group still up) and its
     dict is merged into the summary (benchmarks/train_compare.py measures exposed communication)."""
     xirang = None
-    if args.backend == "xirang" or args.hook != "none":
-        xirang = import_xirang(f"--backend {args.backend} --hook {args.hook}")
+    if args.backend == "xirang" or args.hook != "none" or args.fsdp:
+        xirang = import_xirang(f"--backend {args.backend} --hook {args.hook}" + (" --fsdp" if args.fsdp else ""))
     launch.init(args.backend, xirang.Options(elastic=True) if args.elastic else None)
     try:
         return _train_in_group(args, launch, data, device, xirang, tag, after)
@@ -189,14 +220,15 @@ def train(args: argparse.Namespace, launch: Launch, data: Any, device: torch.dev
 
 def _train_in_group(args, launch: Launch, data, device, xirang, tag: str, after) -> Dict[str, Any]:
     rank, world = launch.rank, launch.world
-    name = args.backend + ("" if args.hook == "none" else f"+{args.hook}")
+    name = args.backend + ("" if args.hook == "none" else f"+{args.hook}") + (f"+fsdp-{args.fsdp_wire}" if args.fsdp else "")
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     model = make_model(args.task, args.depth, args.width, args.context).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # FSDP2 replaces the parameters by sharded ones: its optimizer is made after fully_shard
+    opt = None if args.fsdp else torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
     start_step, losses, ck = 0, [], None
     live = list(range(world))  # --elastic: the live ranks; each step's batch is cut over them
@@ -211,7 +243,11 @@ def _train_in_group(args, launch: Launch, data, device, xirang, tag: str, after)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         start_step, losses = int(ck["step"]), list(ck["losses"])
-    ddp, state = make_ddp(model, args, device, xirang, ck.get("hook_state") if ck else None)
+    if args.fsdp:
+        ddp, state = make_fsdp(model, args, device, xirang)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    else:
+        ddp, state = make_ddp(model, args, device, xirang, ck.get("hook_state") if ck else None)
     if ck is not None:
         random.setstate(ck["rng"]["python"])
         np.random.set_state(ck["rng"]["numpy"])
@@ -289,14 +325,18 @@ def _train_in_group(args, launch: Launch, data, device, xirang, tag: str, after)
         "stopped_at": stop, "layers": len(model), "layers_per_group": args.layers_per_group,
         "parameters": n_params, "gradient_bytes": grad_bytes, "batch_size_per_rank": args.batch_size,
         "final_loss": float(np.mean(losses[-LAST_N_LOSS:])), "final_loss_over_steps": min(LAST_N_LOSS, len(losses)),
-        **evaluate(args.task, ddp.module, data, device),
+        **evaluate(args.task, model, data, device),
         "step_time_s": step_s, "train_wall_s": train_s,
         f"throughput_{unit}_per_s": per_step / step_s,
         "bytes_wire_per_step": hook["totals"]["bytes_wire_per_step"] if hook else ring_bytes,
-        "bytes_wire_how": "reported by state.stats()" if hook else "computed: ring allreduce 2(N-1)/N x fp32 gradient bytes",
+        "bytes_wire_how": (("reported by xirang.fsdp's stats() (reduce-scatter only; FSDP's all-gathers not counted)"
+                            if args.fsdp else "reported by state.stats()") if hook
+                           else "computed: ring allreduce 2(N-1)/N x fp32 gradient bytes"),
         "bytes_raw_per_step": hook["totals"]["bytes_raw_per_step"] if hook else ring_bytes,
-        "exposed_comm_s_hook": hook["totals"]["mean_exposed_comm_s"] if hook else None,
-        "launches_per_step": hook["totals"]["launches_per_step"] if hook else None,
+        "exposed_comm_s_hook": hook["totals"].get("mean_exposed_comm_s") if hook else None,
+        "launches_per_step": hook["totals"].get("launches_per_step") if hook else None,
+        "fsdp_wire": args.fsdp_wire if args.fsdp else None,
+        "residual_bytes": hook["totals"].get("residual_bytes") if hook else None,
         "threads_per_rank": torch.get_num_threads(), "device": str(device), "torch": torch.__version__,
     }
     if args.elastic:

@@ -5,6 +5,7 @@ backward runs.
     import xirang, torch.distributed as dist
     dist.init_process_group("xirang")              # under torchrun
     state = xirang.register_comm_hook(ddp_model)   # BF16 + error feedback, 8 layers a group
+    comp = xirang.fsdp.compress(fsdp_model)        # FSDP2: bf16 reduce-scatter + error feedback
 
 `import xirang` registers the backend once per process (devices cpu and cuda); an entry point
 in `torch.backends` does the same during `import torch`, without loading the extension.
@@ -94,7 +95,7 @@ def stats(process_group=None, gather: bool = False):
 
 
 def __dir__():
-    return sorted(list(globals()) + ["MembershipChanged"])
+    return sorted(list(globals()) + ["MembershipChanged", "fsdp"])
 
 
 def __getattr__(name):
@@ -103,6 +104,10 @@ def __getattr__(name):
         from ._backend import load_C
 
         return load_C().MembershipChanged
+    if name == "fsdp":  # loaded on first use: it imports torch.distributed.fsdp
+        import importlib
+
+        return importlib.import_module(".fsdp", __name__)
     raise AttributeError(f"module 'xirang' has no attribute {name!r}")
 
 
@@ -123,4 +128,5 @@ __all__ = [
     "sync_training_state",
     "register_comm_hook",
     "hooks",
+    "fsdp",
 ]

@@ -1,0 +1,593 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): a compressed reduce-scatter with fp32
+accumulation and error feedback.
+
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    comp = xirang.fsdp.compress(model)          # bf16 on the wire, fp32 sums, error feedback
+    ...
+    ckpt = {"model": ..., "xirang_fsdp": comp.state_dict()}
+
+Per FSDP parameter group, each backward's reduce-scatter becomes (rank r, world size N, FSDP's
+padded flat input ``x`` of ``N * S`` elements, chunk ``j`` = ``x[j*S:(j+1)*S]`` for owner ``j``):
+
+1. ``c = x + e`` in fp32 (``e``: this rank's residual, same layout as ``x``, zeros at first);
+2. ``q = bf16(c)`` (round to nearest even), ``e <- c - fp32(q)`` (exact in fp32);
+3. ``all_to_all_single`` of ``q``: chunk ``j`` goes to rank ``j`` (per rank ``2 (N-1) S`` bytes
+   sent, the bytes of a bf16 ring reduce-scatter);
+4. the owner decodes each received chunk to fp32 and sums them in fp32 in rank order 0..N-1,
+   divides the sum once by N (or by the user's gradient divide factor) in fp32, and writes the
+   output (fp32: as is; a 16-bit reduce dtype: rounded once).
+
+The same scheme as VeOmni's ``FP32ReduceScatterWithLowPrecisionTransport`` (bf16 all-to-all,
+fp32 sum at the owner) with sender-side error feedback added as in xirang's DDP hook
+(:mod:`xirang.hooks`) and CGX / DeepSpeed's ``worker_error``: every rounding error is fed back
+into the next step's input, so that the sum over steps of what the owners received equals the sum
+of the true gradients minus the current residuals (it telescopes).
+
+HSDP: on FSDP's native 2-D mesh the shard dimension is compressed as above (dividing by shard x
+replicate size) and FSDP's all-reduce over the replicas sums; with ``compress(...,
+replicate_group=g)`` on a 1-D shard mesh an all-reduce hook averages over the replicas with
+xirang's BF16 error-feedback allreduce as well (see :func:`compress`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger("xirang")
+
+_WIRES = ("bf16", "fp32")
+_RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
+_WIRE_DTYPE = {"bf16": torch.bfloat16}
+
+try:  # torch >= 2.9 (custom FSDP2 comms, pytorch#155189)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover  (older torch: compress() raises, the module still imports)
+    FSDPModule = None
+
+    class _ReduceScatterBase:  # type: ignore[no-redef]
+        pass
+
+
+def _rank(group: Optional[dist.ProcessGroup]) -> int:
+    try:
+        return dist.get_rank(group)
+    except Exception:  # noqa: BLE001  (no group yet: name rank -1 rather than fail while failing)
+        return -1
+
+
+class XirangReduceScatter(_ReduceScatterBase):
+    """FSDP2 ``ReduceScatter`` comm of one FSDP parameter group (see the module docstring).
+
+    Made by :func:`compress`; FSDP calls ``allocate`` and ``__call__``.
+
+    Attributes:
+        name: the FSDP module(s) of the group, by fully qualified name (``+``-joined for the list
+            form ``fully_shard([a, b])``; ``<root>`` for the root).
+        wire: ``"bf16"`` or ``"fp32"`` (no compression: the input's own dtype on the wire).
+        error_feedback: whether residuals are kept (``wire="bf16"`` only).
+        divide_factor: the user's gradient divide factor taken over at :func:`compress`, or
+            ``None`` (the mean: divide by ``mean_over``).
+        mean_over: the number of ranks the mean is over: the reduce-scatter group's size N, times
+            the replicate size R under HSDP (FSDP's all-reduce over the replicas then sums);
+            ``None``: the size of the group passed to the call.
+        residual: this rank's residual, 1-D ``[N * S]`` in ``residual_dtype`` (the layout of
+            FSDP's padded reduce-scatter input), or ``None`` (no error feedback, or world size 1).
+    """
+
+    def __init__(self, name: str, param_group: Any, wire: str, error_feedback: bool,
+                 residual_dtype: torch.dtype, divide_factor: Optional[float], mean_over: Optional[int] = None):
+        self.name = name
+        self._param_group = param_group
+        self.wire = wire
+        self.error_feedback = bool(error_feedback) and wire != "fp32"
+        self.residual_dtype = residual_dtype
+        self.divide_factor = divide_factor
+        self.user_factor = divide_factor  # the factor the user asked for (compress() sets it)
+        self.mean_over = mean_over
+        self.residual: Optional[torch.Tensor] = None
+        # HSDP with compress(replicate_group=...): the all-reduce hook's state (see all_reduce_hook)
+        self.replicate_group: Optional[dist.ProcessGroup] = None
+        self.replicate_residual: Optional[torch.Tensor] = None
+        self._replicate_staged: Optional[torch.Tensor] = None
+        self.replicate_bytes_wire_last = 0
+        self.replicate_bytes_raw_last = 0
+        self.calls = 0
+        self.resets = 0
+        self.bytes_wire_last = 0
+        self.bytes_raw_last = 0
+        self.bytes_wire_total = 0
+        self.bytes_raw_total = 0
+
+    # -- the Comm protocol ------------------------------------------------------------------
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A fresh ``torch.empty(size, dtype=dtype, device=device)`` (FSDP's input and output)."""
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> Optional[dist.Work]:
+        """Reduce-scatter ``input_tensor`` (1-D ``[N * S]``) into ``output_tensor`` (1-D ``[S]``).
+
+        ``op`` must be SUM (what FSDP passes after :func:`compress`; the scaling is ours).
+        Synchronous with ``async_op=False`` (FSDP's call; returns ``None``); with
+        ``async_op=True`` returns a ``dist.Work`` whose ``wait()`` returns once the output is
+        written. Runs on the current stream (FSDP's reduce-scatter stream on CUDA).
+
+        Raises ``RuntimeError`` naming the rank, the op and the mismatch: a non-SUM ``op``; FSDP
+        settings changed after :func:`compress`; an input that is not ``N`` times the output;
+        tensors on a device the group's backend does not serve. Nothing is sent then, and the
+        residual is left as it was.
+        """
+        ws = group.size()
+        rank = _rank(group)
+        where = f"xirang.fsdp: rank {rank}, reduce_scatter of {self.name!r}"
+        self._check(where, output_tensor, input_tensor, group, op, ws)
+        n = input_tensor.numel()
+        if self.error_feedback and (self.residual is None or self.residual.numel() != n
+                                    or self.residual.device != input_tensor.device):
+            if self.residual is not None:
+                self._reset(f"the reduce-scatter input has {n} elements on {input_tensor.device}, the residual "
+                            f"{self.residual.numel()} on {self.residual.device} (the parameter group or world "
+                            "size changed)")
+            self.residual = torch.zeros(n, dtype=self.residual_dtype, device=input_tensor.device)
+
+        wire = self._encode(input_tensor)
+        recv = torch.empty_like(wire)
+        self.calls += 1
+        self.bytes_wire_last = (ws - 1) * (n // ws) * wire.element_size()
+        self.bytes_raw_last = (ws - 1) * (n // ws) * input_tensor.element_size()
+        self.bytes_wire_total += self.bytes_wire_last
+        self.bytes_raw_total += self.bytes_raw_last
+        if not async_op:
+            dist.all_to_all_single(recv, wire, group=group)
+            self._decode(recv, output_tensor, ws)
+            return None
+        work = dist.all_to_all_single(recv, wire, group=group, async_op=True)
+
+        def finish(fut: torch.futures.Future) -> List[torch.Tensor]:
+            fut.value()  # re-raises the all-to-all's error
+            self._decode(recv, output_tensor, ws)
+            return [output_tensor]
+
+        return torch._C._distributed_c10d._create_work_from_future(work.get_future().then(finish))
+
+    # -- the steps --------------------------------------------------------------------------
+
+    def _check(self, where: str, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: Any,
+               ws: int) -> None:
+        if op != dist.ReduceOp.SUM:
+            raise RuntimeError(f"{where}: op must be SUM (xirang applies the scaling), got {op}; "
+                               "were FSDP's reduction settings changed after xirang.fsdp.compress()?")
+        pg = self._param_group
+        if pg is not None and (pg.gradient_divide_factor != 1.0 or not pg.force_sum_reduction_for_comms):
+            raise RuntimeError(
+                f"{where}: the FSDP module's gradient divide factor ({pg.gradient_divide_factor}) or forced SUM "
+                f"({pg.force_sum_reduction_for_comms}) was changed after xirang.fsdp.compress() set 1.0 and True; "
+                "call xirang.fsdp.compress() again after changing them (it takes the factor over)")
+        if not inp.is_floating_point() or not out.is_floating_point():
+            raise RuntimeError(f"{where}: floating-point tensors expected, got input {inp.dtype}, output {out.dtype}")
+        if self.wire != "fp32" and inp.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise RuntimeError(f"{where}: wire={self.wire!r} takes fp32, bf16 or fp16 inputs, got {inp.dtype} "
+                               "(use wire='fp32' for it)")
+        if inp.dim() != 1 or out.dim() != 1 or not inp.is_contiguous() or not out.is_contiguous():
+            raise RuntimeError(f"{where}: contiguous 1-D tensors expected, got input {tuple(inp.shape)}, "
+                               f"output {tuple(out.shape)}")
+        if inp.numel() != ws * out.numel():
+            raise RuntimeError(f"{where}: the input has {inp.numel()} elements, expected world size {ws} x the "
+                               f"output's {out.numel()}")
+        if inp.device != out.device:
+            raise RuntimeError(f"{where}: input on {inp.device}, output on {out.device}")
+        try:
+            be = group._get_backend(inp.device)
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"{where}: tensors on {inp.device}, which the group's backend "
+                               f"({dist.get_backend(group)!r}) does not serve: {e}") from None
+        if inp.is_cuda:
+            from ._backend import load_C  # noqa: PLC0415
+
+            C = load_C()
+            xr = be if isinstance(be, C.ProcessGroupXirang) else getattr(be, "wrapped_pg", None)
+            if isinstance(xr, C.ProcessGroupXirang) and not C.CUDA_BUILT:
+                raise RuntimeError(f"{where}: got CUDA tensors, but the CUDA path is not built in this xirang "
+                                   "(build_info()['cuda'] is None); use CPU tensors or 'cpu:xirang,cuda:nccl'")
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """What goes on the wire, 1-D like ``x``; updates the residual (error feedback)."""
+        if self.wire == "fp32":
+            return x
+        wdt = _WIRE_DTYPE[self.wire]
+        if not self.error_feedback:
+            return x.to(wdt)
+        r = self.residual
+        if r.dtype == torch.float32:
+            r.add_(x)  # c = x + e, fp32 (a 16-bit x is decoded exactly)
+            q = r.to(wdt)
+            r.sub_(q)  # e = c - fp32(q): exact in fp32
+        else:  # bf16 residual: c in a fp32 temporary, e rounded to bf16 when stored
+            c = x.float().add_(r)
+            q = c.to(wdt)
+            r.copy_(c.sub_(q))
+        # An element whose c is inf/NaN, or finite beyond bf16's range (q = +-inf), would leave a
+        # non-finite residual that poisons every later step: it restarts from 0.
+        torch.nan_to_num_(r, nan=0.0, posinf=0.0, neginf=0.0)  # one pass, no device sync
+        return q
+
+    def _decode(self, recv: torch.Tensor, out: torch.Tensor, ws: int) -> None:
+        """out = (sum over ranks, in rank order, of the received chunks, in fp32) / divisor."""
+        chunks = recv.view(ws, -1)
+        acc_dtype = torch.float64 if torch.float64 in (recv.dtype, out.dtype) else torch.float32
+        acc = out if out.dtype == acc_dtype else torch.empty(out.shape, dtype=acc_dtype, device=out.device)
+        acc.copy_(chunks[0])
+        for j in range(1, ws):
+            acc.add_(chunks[j])
+        if self.divide_factor is not None:
+            acc.div_(float(self.divide_factor))
+        else:
+            acc.div_(float(self.mean_over or ws))
+        if acc is not out:
+            out.copy_(acc)
+
+    def all_reduce_hook(self, reduce_output: torch.Tensor) -> None:
+        """FSDP all-reduce hook (``set_all_reduce_hook``): the mean over ``replicate_group`` of
+        this rank's reduce-scatter output (1-D ``[S]``), in place.
+
+        fp32 output with ``wire="bf16"`` and error feedback: xirang's BF16 error-feedback ring
+        allreduce (``allreduce_ef``, the DDP hook's operation: bf16 on the wire, fp32 sums, the
+        residual ``replicate_residual`` of ``[S]`` fp32, committed only when the result is
+        finite); ``wire="bf16"`` without error feedback: an AVG all-reduce of the output rounded
+        to bf16 (xirang sums 16-bit inputs in fp32 and rounds once); otherwise an AVG all-reduce
+        in the output's dtype. Raises ``TypeError`` when the
+        group is not served by xirang for the bf16 path.
+        """
+        g = self.replicate_group
+        r = g.size()
+        n = reduce_output.numel()
+        self.replicate_bytes_raw_last = 2 * (r - 1) * n * reduce_output.element_size() // r
+        if self.wire != "bf16" or reduce_output.dtype == torch.bfloat16:
+            self.replicate_bytes_wire_last = self.replicate_bytes_raw_last
+            dist.all_reduce(reduce_output, op=dist.ReduceOp.AVG, group=g)
+            return
+        self.replicate_bytes_wire_last = 2 * (r - 1) * n * 2 // r
+        if not self.error_feedback or reduce_output.dtype != torch.float32 or not reduce_output.is_contiguous():
+            q = reduce_output.to(torch.bfloat16)
+            dist.all_reduce(q, op=dist.ReduceOp.AVG, group=g)
+            reduce_output.copy_(q)
+            return
+        from ._backend import backend_for  # noqa: PLC0415
+
+        if self.replicate_residual is None or self.replicate_residual.numel() != n:
+            if self.replicate_residual is not None:
+                self._reset(f"the replicate all-reduce has {n} elements, the residual "
+                            f"{self.replicate_residual.numel()}")
+            self.replicate_residual = torch.zeros(n, dtype=torch.float32, device=reduce_output.device)
+        if self._replicate_staged is None or self._replicate_staged.numel() != n:
+            self._replicate_staged = torch.zeros_like(self.replicate_residual)
+        work = backend_for(g).allreduce_ef(reduce_output, self.replicate_residual, self._replicate_staged,
+                                           -1, label=f"fsdp replicate {self.name}")
+        work.wait()
+        if bool(torch.isfinite(reduce_output).all()):
+            self.replicate_residual, self._replicate_staged = self._replicate_staged, self.replicate_residual
+
+    def _reset(self, why: str) -> None:
+        self.resets += 1
+        log.warning("xirang.fsdp: residual of %r reset to zero: %s", self.name, why)
+        for t in (self.residual, self.replicate_residual):
+            if t is not None:
+                t.zero_()
+
+
+class FSDPCompressor:
+    """What :func:`compress` returns: the comm of each FSDP parameter group, stats, checkpoints.
+
+    Attributes:
+        comms: name -> :class:`XirangReduceScatter`, in module order.
+        world_size: the size of the reduce-scatter group (the mesh's shard dimension).
+        replicate_size: the HSDP replicate dimension's size (1 without HSDP).
+        rank: this process's global rank (the checkpoint keys carry it).
+    """
+
+    def __init__(self, comms: Dict[str, XirangReduceScatter], world_size: int, rank: int,
+                 wire: str, error_feedback: bool, residual_dtype: torch.dtype, replicate_size: int = 1):
+        self.comms = comms
+        self.world_size = world_size
+        self.replicate_size = replicate_size
+        self.rank = rank
+        self.wire = wire
+        self.error_feedback = error_feedback
+        self.residual_dtype = residual_dtype
+
+    @property
+    def residuals(self) -> Dict[str, torch.Tensor]:
+        """name -> this rank's live reduce-scatter residual (1-D ``[N * S]``), and
+        ``name + ".replicate"`` -> the replicate all-reduce's (1-D ``[S]``, with
+        ``replicate_group``); only groups that have one."""
+        out = {}
+        for k, c in self.comms.items():
+            if c.residual is not None:
+                out[k] = c.residual
+            if c.replicate_residual is not None:
+                out[k + ".replicate"] = c.replicate_residual
+        return out
+
+    def stats(self) -> Dict[str, Any]:
+        """This rank's view: ``{"groups": [...], "totals": {...}}``.
+
+        Each group: ``name``, ``calls`` (reduce-scatters so far), ``bytes_wire_last`` (payload
+        bytes this rank sent in its last call: ``(N-1) x S x`` the wire's itemsize; its own chunk
+        is not sent), ``bytes_raw_last`` (the same in the input's dtype: what FSDP's own
+        reduce-scatter would send), their ``*_total`` sums, ``residual_bytes`` (bytes of the
+        residual: ``N x S x`` 4 for fp32, 2 for bf16; 0 without error feedback),
+        ``residual_resets`` (resets to zero: world size or shape changes, loads, ``reset()``).
+        ``replicate_bytes_wire_last`` / ``replicate_bytes_raw_last``: the replicate all-reduce's
+        (``replicate_group``; ring allreduce ``2 (R-1)/R x S x`` itemsize, bf16 vs the output's
+        dtype; 0 without it); ``residual_bytes`` includes its residual and staging buffer
+        (``S x 4`` each, the staging allocated at the first call).
+        ``totals``: ``bytes_wire_per_step`` and ``bytes_raw_per_step`` (sums of the groups' last
+        calls: one step's bytes when every group reduce-scatters once a step), the same two for
+        the replicate all-reduce (``replicate_*``), ``residual_bytes``, ``calls``.
+        """
+        groups = []
+        for name, c in self.comms.items():
+            groups.append({
+                "name": name,
+                "calls": c.calls,
+                "bytes_wire_last": c.bytes_wire_last,
+                "bytes_raw_last": c.bytes_raw_last,
+                "bytes_wire_total": c.bytes_wire_total,
+                "bytes_raw_total": c.bytes_raw_total,
+                "residual_bytes": sum(t.numel() * t.element_size()
+                                      for t in (c.residual, c.replicate_residual, c._replicate_staged)
+                                      if t is not None),
+                "replicate_bytes_wire_last": c.replicate_bytes_wire_last,
+                "replicate_bytes_raw_last": c.replicate_bytes_raw_last,
+                "residual_resets": c.resets,
+            })
+        totals = {
+            "bytes_wire_per_step": sum(g["bytes_wire_last"] for g in groups),
+            "bytes_raw_per_step": sum(g["bytes_raw_last"] for g in groups),
+            "replicate_bytes_wire_per_step": sum(g["replicate_bytes_wire_last"] for g in groups),
+            "replicate_bytes_raw_per_step": sum(g["replicate_bytes_raw_last"] for g in groups),
+            "residual_bytes": sum(g["residual_bytes"] for g in groups),
+            "calls": sum(g["calls"] for g in groups),
+        }
+        return {"groups": groups, "totals": totals}
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return f"rank{self.rank}.{name}"
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"world_size": N, "replicate_size": R, "wire": ..., "residuals": {"rank<r>.<name>": tensor}}``.
+
+        Plain tensors (this rank's residuals, the live buffers: copy them to keep a snapshot)
+        and plain values, so ``torch.save`` and ``torch.distributed.checkpoint`` (DCP) take it.
+        Residuals differ across ranks, so each key carries the rank (DCP would otherwise keep
+        one rank's copy of an equal key); ``r`` is the global rank. Groups without a residual have
+        no entry.
+        """
+        return {
+            "world_size": self.world_size,
+            "replicate_size": self.replicate_size,
+            "wire": self.wire,
+            "residuals": {self._key(k): t for k, t in self.residuals.items()},
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore this rank's residuals bitwise from :meth:`state_dict`'s output.
+
+        Resets (to zero, with a WARNING on logger ``xirang`` naming the group and why) instead
+        of loading when the checkpoint's world size differs, when a group's residual is missing,
+        or when its shape differs (the parameter group changed). Raises ``TypeError`` for a
+        value that is not such a dict.
+        """
+        if not isinstance(state_dict, dict) or "residuals" not in state_dict:
+            raise TypeError(f"xirang.fsdp: load_state_dict expects FSDPCompressor.state_dict()'s dict, "
+                            f"got {type(state_dict).__name__}")
+        saved_ws = int(state_dict.get("world_size", -1))
+        saved_rs = int(state_dict.get("replicate_size", 1))
+        res = state_dict["residuals"]
+        for name, c in self.comms.items():
+            live = [(k, t) for k, t in ((name, c.residual), (name + ".replicate", c.replicate_residual))
+                    if t is not None]
+            if not live:
+                continue
+            if saved_ws != self.world_size:
+                c._reset(f"the checkpoint is from world size {saved_ws}, this run has {self.world_size}")
+                continue
+            if saved_rs != self.replicate_size:
+                c._reset(f"the checkpoint is from replicate size {saved_rs}, this run has {self.replicate_size}")
+                continue
+            saved = [(res.get(self._key(k)), t) for k, t in live]
+            bad = [f"the checkpoint has no residual {self._key(k)!r}" for (k, _), (s, _) in zip(live, saved) if s is None]
+            bad += [f"the checkpoint's residual has shape {tuple(s.shape)}, the parameter group needs "
+                    f"{tuple(t.shape)} (the parameter group changed)" for s, t in saved
+                    if s is not None and tuple(s.shape) != tuple(t.shape)]
+            if bad:
+                c._reset("; ".join(bad))
+                continue
+            for s, t in saved:
+                t.copy_(s)
+
+    def reset(self) -> None:
+        """Zero every residual (logged)."""
+        for c in self.comms.values():
+            if c.residual is not None:
+                c._reset("reset() called")
+
+
+def _fsdp_groups(module: nn.Module) -> List[Tuple[str, Any, Any]]:
+    """(name, an FSDPModule of the state, its param group) per distinct FSDP state, in module order."""
+    seen: Dict[int, List[Any]] = {}
+    order: List[int] = []
+    for fqn, m in module.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        st = m._get_fsdp_state()
+        if id(st) not in seen:
+            seen[id(st)] = [st, [], m]
+            order.append(id(st))
+        seen[id(st)][1].append(fqn or "<root>")
+    out = []
+    for k in order:
+        st, names, first = seen[k]
+        groups = list(st._fsdp_param_groups)
+        if len(groups) > 1:
+            raise ValueError(f"xirang.fsdp.compress: {'+'.join(names)} has {len(groups)} parameter groups "
+                             "(per-parameter meshes); one custom reduce-scatter per module is supported")
+        if groups:
+            out.append(("+".join(names), first, groups[0]))
+    return out
+
+
+def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
+             residual_dtype: torch.dtype = torch.float32,
+             replicate_group: Optional[dist.ProcessGroup] = None) -> FSDPCompressor:
+    r"""Make every FSDP parameter group under ``module`` reduce-scatter through xirang's scheme.
+
+    For each distinct FSDP state (an ``FSDPModule``, or the modules of one list-form
+    ``fully_shard([a, b])`` call), this installs an :class:`XirangReduceScatter` with
+    ``set_custom_reduce_scatter`` and sets ``set_gradient_divide_factor(1.0)`` and
+    ``set_force_sum_reduction_for_comms(True)``, so FSDP passes SUM and scales nothing: xirang
+    divides the fp32 sum once, by the reduce-scatter group's size N (the mean), or by the factor
+    the user set with ``set_gradient_divide_factor(f)`` before this call (then ``sum / f``).
+    This also avoids FSDP's ``PREMUL_SUM`` on bf16 reduce-scatters (pytorch#157485). Call it
+    after ``fully_shard`` and before the first backward; calling it again rebuilds the comms
+    (residuals restart from zero; the factor taken over earlier is kept unless a new one was set
+    with ``set_gradient_divide_factor`` since).
+
+    Args:
+        module: the root of an FSDP2 tree (``fully_shard`` applied to it or to submodules).
+        wire: ``"bf16"`` (default; the module docstring's scheme) or ``"fp32"`` (no
+            compression: the input in its own dtype on the wire, the same fp32 sum; for
+            ablations and as the exact reference).
+        error_feedback: keep residuals (default). ``False``: plain bf16 rounding (for
+            ablations). Ignored with ``wire="fp32"``.
+        residual_dtype: ``torch.float32`` (default) or ``torch.bfloat16``. Memory per rank:
+            the residual has the size of FSDP's padded reduce-scatter input, i.e. the unsharded
+            gradient of every group: 4 bytes per element for fp32, 2 for bf16 (on top of FSDP's
+            sharded state: O(model) per rank, which erodes FSDP's memory saving). A bf16
+            residual is itself rounded when stored (at most 2^-8 of the residual, which is at
+            most 2^-8 of the compensated gradient: 2^-16 of it): that much of each step's
+            rounding error is lost, so the telescoping sum holds only to that error per step.
+        replicate_group: HSDP with a compressed replicate dimension: ``fully_shard`` on the
+            shard dimension only (a 1-D mesh, e.g. ``mesh["shard"]``) and pass the replicate
+            dimension's group here (``mesh["replicate"].get_group()``, served by xirang). Each
+            group's reduce-scatter then divides by N only and an all-reduce hook
+            (:meth:`XirangReduceScatter.all_reduce_hook`, ``set_all_reduce_hook``) averages the
+            output over the R replicas with xirang's BF16 error-feedback allreduce (residual and
+            staging ``S x 4`` bytes each per rank; a user factor f becomes ``sum / f`` overall). The
+            parameters' shards are broadcast from the replicate group's rank 0 here, so the
+            replicas start equal. ``None`` (default): no replicate dimension, or FSDP's native
+            HSDP (below).
+
+    Native HSDP (``fully_shard`` on a 2-D replicate x shard mesh): the reduce-scatter over the
+    shard dimension (size N) is compressed and divides by N x R (or by the user's factor);
+    FSDP's own all-reduce over the R replicas then sums in the reduce dtype, uncompressed (FSDP2
+    runs a user all-reduce hook only after its own all-reduce there). To compress the replicate
+    dimension as well, use ``replicate_group`` on a 1-D shard mesh.
+
+    World size 1 (or a shard dimension of size 1): FSDP skips the reduce-scatter (it copies,
+    dividing by its own factor); the comm is installed but FSDP's settings are left as they are
+    and no residual is kept.
+
+    Returns:
+        an :class:`FSDPCompressor` (keep it for ``stats()`` and checkpoints).
+
+    Raises:
+        ValueError: bad ``wire`` / ``residual_dtype``, no FSDP module under ``module``, a
+            module with several parameter groups, ``replicate_group`` with a 2-D mesh or a
+            shard dimension of size 1. TypeError: ``replicate_group`` not served by xirang
+            (``wire="bf16"``). NotImplementedError: a replicate-only mesh
+            (``replicate()``: no reduce-scatter). ImportError: a torch without FSDP2 custom comms (< 2.9).
+    """
+    if FSDPModule is None:
+        raise ImportError("xirang.fsdp needs torch >= 2.9 (FSDP2's set_custom_reduce_scatter)")
+    if wire not in _WIRES:
+        raise ValueError(f"xirang.fsdp.compress: wire must be one of {_WIRES}, got {wire!r} (int8: not implemented)")
+    if residual_dtype not in _RESIDUAL_DTYPES:
+        raise ValueError(f"xirang.fsdp.compress: residual_dtype must be torch.float32 or torch.bfloat16, "
+                         f"got {residual_dtype!r}")
+    groups = _fsdp_groups(module)
+    if not groups:
+        raise ValueError("xirang.fsdp.compress: no FSDP module (fully_shard) under the module given")
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo  # noqa: PLC0415
+
+    sizes = set()
+    for name, _st, pg in groups:
+        mi = pg.mesh_info
+        if not isinstance(mi, FSDPMeshInfo):
+            raise NotImplementedError(f"xirang.fsdp.compress: {name} uses a {type(mi).__name__} (a replicate-only "
+                                      "mesh: no reduce-scatter); use a shard or HSDP mesh")
+        rep = mi.replicate_mesh_size if isinstance(mi, DDPMeshInfo) else 1  # HSDPMeshInfo is both
+        sizes.add((pg._reduce_scatter_process_group.size(), rep))
+    if len(sizes) != 1:
+        raise ValueError(f"xirang.fsdp.compress: the FSDP modules' (shard, replicate) sizes differ: {sorted(sizes)}")
+    ws, rep = sizes.pop()
+    rank = _rank(None)
+    if replicate_group is not None:
+        if ws == 1:
+            raise ValueError("xirang.fsdp.compress: replicate_group needs a shard dimension of size > 1 "
+                             "(at 1 FSDP skips the reduce-scatter and the hook); use DDP over the replicas")
+        if rep != 1:
+            raise ValueError("xirang.fsdp.compress: replicate_group goes with fully_shard on a 1-D shard mesh; "
+                             "this module is on a 2-D (native HSDP) mesh")
+        rep = replicate_group.size()
+        if wire == "bf16":
+            from ._backend import backend_for  # noqa: PLC0415
+
+            backend_for(replicate_group)  # TypeError now, naming the backend, if not xirang
+        with torch.no_grad():  # the replicas start equal (FSDP broadcasts nothing across them)
+            for _name, _st, pg in groups:
+                for fp in pg.fsdp_params:
+                    dist.broadcast(fp.sharded_param.to_local(), group=replicate_group, group_src=0)
+
+    comms: Dict[str, XirangReduceScatter] = {}
+    for name, st_module, pg in groups:
+        old = pg._reduce_scatter_comm
+        # Compressed before: keep the factor taken over then, unless the user set a new one since
+        # (the group's factor is no longer the 1.0 compress() set).
+        if isinstance(old, XirangReduceScatter) and pg.gradient_divide_factor == 1.0:
+            factor = old.user_factor
+        else:
+            factor = pg.gradient_divide_factor
+        if factor is not None and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"xirang.fsdp.compress: {name}'s gradient divide factor must be a positive number, "
+                             f"got {factor!r}")
+        if replicate_group is not None:  # the hook's all-reduce averages over the R replicas
+            comm = XirangReduceScatter(name, pg, wire, error_feedback, residual_dtype,
+                                       None if factor is None else float(factor) / rep, mean_over=ws)
+            comm.replicate_group = replicate_group
+        else:
+            comm = XirangReduceScatter(name, pg, wire, error_feedback, residual_dtype,
+                                       None if factor is None else float(factor), mean_over=ws * rep)
+        comm.user_factor = None if factor is None else float(factor)
+        if comm.error_feedback and ws > 1:
+            n = ws * sum(p.padded_sharded_param_size.numel() for p in pg.fsdp_params
+                         if p.sharded_param.requires_grad)
+            comm.residual = torch.zeros(n, dtype=residual_dtype, device=pg.device)
+        else:
+            comm.error_feedback = comm.error_feedback and ws > 1
+        st_module.set_custom_reduce_scatter(comm)
+        if getattr(getattr(pg, "_all_reduce_hook", None), "__self__", None) is old:
+            pg._all_reduce_hook = None  # an earlier compress(replicate_group=...)'s hook goes with its comm
+        if replicate_group is not None:
+            if comm.wire == "bf16" and comm.error_feedback:
+                n_out = sum(p.padded_sharded_param_size.numel() for p in pg.fsdp_params
+                            if p.sharded_param.requires_grad)
+                comm.replicate_residual = torch.zeros(n_out, dtype=torch.float32, device=pg.device)
+            st_module.set_all_reduce_hook(comm.all_reduce_hook)
+        if ws > 1:
+            st_module.set_gradient_divide_factor(1.0)
+            st_module.set_force_sum_reduction_for_comms(True)
+        comms[name] = comm
+    return FSDPCompressor(comms, ws, rank, wire, bool(error_feedback) and wire != "fp32", residual_dtype, rep)

@@ -1,0 +1,744 @@
+"""xirang.fsdp (issue #15): FSDP2's reduce-scatter with bf16 on the wire, fp32 sums, error feedback.
+
+``w_*`` functions run on the ranks of an ``mp_pool`` pool (the xirang backend on CPU; FSDP2's
+mesh is made from the pool's group); ``test_*`` functions rebuild every rank's batch in this
+process and check the ranks' results against references computed here, from an unsharded copy
+of the model (fp64 unless said otherwise), never from xirang's own code.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mp_pool
+
+pytestmark = pytest.mark.xirang_only
+
+D_IN, D_H, D_OUT, BATCH = 6, 7, 5, 4  # 7 and 5 rows: FSDP pads them at world sizes 2 and 3
+BF16_REL = 2.0 ** -8  # one bf16 rounding (relative), with margin for the fp32 sum
+
+
+class Net(nn.Module):
+    """Three linears and a (1,)-shaped scale (pytorch#144045); rows of 7 and 5 need padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(D_IN, D_H)
+        self.l2 = nn.Linear(D_H, D_H)
+        self.l3 = nn.Linear(D_H, D_OUT)
+        self.scale = nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x):
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x))))) * self.scale
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def batch(seed: int, step: int, rank: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000003 * seed + 7919 * step + rank)
+    x = torch.randn(BATCH, D_IN, generator=g)
+    y = torch.randn(BATCH, D_OUT, generator=g)
+    return x.to(dtype), y.to(dtype)
+
+
+def loss_of(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def ref_grads(ws: int, step: int, seed: int = 0, dtype=torch.float64, factor=None):
+    """(name -> reduced gradient over the ranks' batches, computed unsharded in ``dtype`` and
+    reduced in fp64: the sum / ``factor``, default the mean; the ranks' own gradients)."""
+    net = make_net(seed).to(dtype)
+    per_rank = []
+    for r in range(ws):
+        net.zero_grad()
+        x, y = batch(seed, step, r, dtype)
+        loss_of(net(x), y).backward()
+        per_rank.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+    out = {}
+    for n in per_rank[0]:
+        s = sum(g[n].double() for g in per_rank)
+        out[n] = s / ws if factor is None else s / factor
+    return out, per_rank
+
+
+def abs_scale(per_rank, ws, factor=None):
+    """name -> sum_r |g_r| / ws (or / factor): what a per-rank bf16 rounding error scales with
+    (the reduced value itself can be far smaller where the ranks' gradients cancel)."""
+    return {n: sum(g[n].double().abs() for g in per_rank) / (factor or ws) for n in per_rank[0]}
+
+
+# ====================================================================== rank side
+def _rank():
+    return dist.get_rank(mp_pool.group())
+
+
+def _mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(mp_pool.group(), "cpu")
+
+
+def _shard(net, mesh, form="nested", mp=None):
+    from torch.distributed.fsdp import fully_shard
+
+    kw = {"mesh": mesh}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    if form == "nested":
+        fully_shard(net.l1, **kw)
+        fully_shard(net.l2, **kw)
+    else:  # the list form: l1 and l2 share one FSDP state and parameter group
+        fully_shard([net.l1, net.l2], **kw)
+    fully_shard(net, **kw)
+    return net
+
+
+def _full_grads(net):
+    return {n: p.grad.full_tensor().detach().clone() for n, p in net.named_parameters()}
+
+
+def _local_grads(net):
+    return {n: p.grad.to_local().detach().clone() for n, p in net.named_parameters()}
+
+
+def _layouts(net, comp):
+    """group name -> [(param name, unsharded shape)] in FSDP's reduce-scatter input order."""
+    names = {id(p): n for n, p in net.named_parameters()}
+    out = {}
+    for name, c in comp.comms.items():
+        pg = c._param_group
+        out[name] = [(names[id(fp.sharded_param)], tuple(fp._orig_size)) for fp in pg.fsdp_params]
+    return out
+
+
+def w_grads(wire, ef, steps=1, form="nested", factor=None, mp_bf16=False, seed=0, residual_dtype=torch.float32):
+    import xirang
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    torch.manual_seed(seed)
+    net = make_net(seed)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if mp_bf16 else None
+    _shard(net, _mesh(), form, mp)
+    if factor is not None:
+        for m in net.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(factor)
+    comp = xirang.fsdp.compress(net, wire=wire, error_feedback=ef, residual_dtype=residual_dtype)
+    res = []
+    for t in range(steps):
+        net.zero_grad(set_to_none=True)
+        x, y = batch(seed, t, _rank())
+        loss_of(net(x), y).backward()
+        res.append(_full_grads(net))
+    return {"grads": res, "stats": comp.stats(), "residuals": {k: v.clone() for k, v in comp.residuals.items()},
+            "layouts": _layouts(net, comp)}
+
+
+def w_telescoping(steps, seed=0):
+    """bf16 + EF with fixed parameters and a fresh batch per step: per step's local grad shards
+    summed in fp64, and the final residuals."""
+    import xirang
+
+    net = make_net(seed)
+    _shard(net, _mesh())
+    comp = xirang.fsdp.compress(net, wire="bf16", error_feedback=True)
+    acc = None
+    for t in range(steps):
+        net.zero_grad(set_to_none=True)
+        x, y = batch(seed, t, _rank())
+        loss_of(net(x), y).backward()
+        g = {n: v.double() for n, v in _local_grads(net).items()}
+        acc = g if acc is None else {n: acc[n] + g[n] for n in acc}
+    return {"applied_sum": acc, "residuals": {k: v.clone() for k, v in comp.residuals.items()},
+            "layouts": _layouts(net, comp)}
+
+
+def w_fixed_batch(ef, steps):
+    """The same batch every step (constant gradients): each step's applied full gradients."""
+    import xirang
+
+    net = make_net(0)
+    _shard(net, _mesh())
+    comp = xirang.fsdp.compress(net, wire="bf16", error_feedback=ef)
+    out = []
+    x, y = batch(0, 0, _rank())
+    for _ in range(steps):
+        net.zero_grad(set_to_none=True)
+        loss_of(net(x), y).backward()
+        out.append(_full_grads(net))
+    return {"grads": out, "stats": comp.stats()}
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def w_state_dict():
+    import xirang
+
+    net = make_net(0)
+    _shard(net, _mesh())
+    comp = xirang.fsdp.compress(net)
+
+    def step(t):
+        net.zero_grad(set_to_none=True)
+        x, y = batch(0, t, _rank())
+        loss_of(net(x), y).backward()
+
+    for t in range(3):
+        step(t)
+    buf = io.BytesIO()
+    torch.save(comp.state_dict(), buf)  # plain tensors: torch.save takes it
+    saved = {k: v.clone() for k, v in comp.residuals.items()}
+    step(3)
+    changed = any(not torch.equal(saved[k], v) for k, v in comp.residuals.items())
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    comp.load_state_dict(sd)
+    restored = all(torch.equal(saved[k].view(torch.int32), v.view(torch.int32)) for k, v in comp.residuals.items())
+
+    cap = _Capture()
+    lg = logging.getLogger("xirang")
+    lg.addHandler(cap)
+    try:
+        bad_ws = dict(sd, world_size=sd["world_size"] + 1)
+        comp.load_state_dict(bad_ws)
+        zero_after_ws = all(int(torch.count_nonzero(v)) == 0 for v in comp.residuals.values())
+        lines_ws = list(cap.lines)
+        cap.lines.clear()
+        comp.load_state_dict(sd)
+        k0 = next(iter(sd["residuals"]))
+        bad_shape = dict(sd, residuals=dict(sd["residuals"], **{k0: torch.zeros(3)}))
+        comp.load_state_dict(bad_shape)
+        lines_shape = list(cap.lines)
+        zero_groups = [k for k, v in comp.residuals.items() if int(torch.count_nonzero(v)) == 0]
+    finally:
+        lg.removeHandler(cap)
+    return {"changed": changed, "restored": restored, "keys": sorted(sd["residuals"]), "ws": sd["world_size"],
+            "zero_after_ws": zero_after_ws, "lines_ws": lines_ws, "lines_shape": lines_shape,
+            "zero_groups": zero_groups, "n_groups": len(comp.residuals)}
+
+
+def w_recompress():
+    """compress(); the user sets a factor on l1; compress() again takes it over (l1: sum / 4,
+    the rest: the mean), fp32 wire."""
+    import xirang
+
+    net = make_net(0)
+    _shard(net, _mesh())
+    xirang.fsdp.compress(net, wire="fp32")
+    net.l1.set_gradient_divide_factor(4.0)
+    comp = xirang.fsdp.compress(net, wire="fp32")
+    x, y = batch(0, 0, _rank())
+    loss_of(net(x), y).backward()
+    return {"grads": _full_grads(net), "factors": {k: c.divide_factor for k, c in comp.comms.items()}}
+
+
+def w_dcp(path):
+    """The compressor's state_dict through torch.distributed.checkpoint (save, then load in place)."""
+    import torch.distributed.checkpoint as dcp
+
+    import xirang
+
+    net = make_net(0)
+    _shard(net, _mesh())
+    comp = xirang.fsdp.compress(net)
+
+    def step(t):
+        net.zero_grad(set_to_none=True)
+        x, y = batch(0, t, _rank())
+        loss_of(net(x), y).backward()
+
+    step(0)
+    step(1)
+    dcp.save({"xirang_fsdp": comp.state_dict()}, checkpoint_id=path)
+    saved = {k: v.clone() for k, v in comp.residuals.items()}
+    step(2)
+    changed = any(not torch.equal(saved[k], v) for k, v in comp.residuals.items())
+    sd = {"xirang_fsdp": comp.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    comp.load_state_dict(sd["xirang_fsdp"])
+    return {"changed": changed,
+            "restored": all(torch.equal(saved[k].view(torch.int32), v.view(torch.int32))
+                            for k, v in comp.residuals.items())}
+
+
+def w_errors():
+    """Direct calls of a comm with bad input: each raises a RuntimeError, nothing hangs."""
+    import xirang
+
+    net = make_net(0)
+    _shard(net, _mesh())
+    comp = xirang.fsdp.compress(net)
+    c = next(iter(comp.comms.values()))
+    g = mp_pool.group()
+    ws = dist.get_world_size(g)
+    out = {}
+
+    def cap(name, fn):
+        r = mp_pool.capture(fn)
+        out[name] = str(r) if isinstance(r, mp_pool.ExcInfo) and r.is_runtime_error else repr(r)
+
+    before = c.residual.clone()
+    cap("op", lambda: c(torch.zeros(2), torch.zeros(2 * ws), g, dist.ReduceOp.AVG))
+    cap("size", lambda: c(torch.zeros(2), torch.zeros(2 * ws + 1), g, dist.ReduceOp.SUM))
+    cap("device", lambda: c(torch.zeros(2, device="meta"), torch.zeros(2 * ws, device="meta"), g, dist.ReduceOp.SUM))
+    cap("int", lambda: c(torch.zeros(2, dtype=torch.int32), torch.zeros(2 * ws, dtype=torch.int32), g,
+                         dist.ReduceOp.SUM))
+    out["residual_untouched"] = torch.equal(before, c.residual)
+    # the user changes FSDP's factor after compress(): the next backward raises on every rank
+    net.l1.set_gradient_divide_factor(4.0)
+    x, y = batch(0, 0, _rank())
+    cap("factor_changed", lambda: loss_of(net(x), y).backward())
+    return out
+
+
+def w_async():
+    """async_op=True returns a Work; after wait() the output equals the synchronous call's."""
+    import xirang
+
+    net = make_net(0)
+    _shard(net, _mesh())
+    comp = xirang.fsdp.compress(net, wire="fp32")
+    c = next(iter(comp.comms.values()))
+    g = mp_pool.group()
+    ws = dist.get_world_size(g)
+    inp = torch.arange(3 * ws, dtype=torch.float32) * (_rank() + 1)
+    o1, o2 = torch.empty(3), torch.empty(3)
+    assert c(o1, inp, g, dist.ReduceOp.SUM) is None
+    w = c(o2, inp, g, dist.ReduceOp.SUM, async_op=True)
+    w.wait()
+    return {"sync": o1, "async": o2, "is_work": isinstance(w, dist.Work)}
+
+
+def w_hsdp(wire, steps=2):
+    """HSDP on a 2 x 2 mesh (replicate x shard) made from the pool's group."""
+    import xirang
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    net = make_net(0)
+    _shard(net, mesh)
+    comp = xirang.fsdp.compress(net, wire=wire)
+    res = []
+    for t in range(steps):
+        net.zero_grad(set_to_none=True)
+        x, y = batch(0, t, _rank())
+        loss_of(net(x), y).backward()
+        res.append(_full_grads(net))
+    return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats()}
+
+
+def w_hsdp_hook(wire, steps=2, ef=True):
+    """HSDP with the replicate dimension through xirang: fully_shard on mesh["shard"], compress
+    with replicate_group; replica 1's parameters start perturbed (compress broadcasts replica 0's)."""
+    import xirang
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    net = make_net(0)
+    if mesh.get_coordinate()[0] != 0:
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(1.0)
+    _shard(net, mesh["shard"])
+    comp = xirang.fsdp.compress(net, wire=wire, error_feedback=ef, replicate_group=mesh["replicate"].get_group())
+    res = []
+    for t in range(steps):
+        net.zero_grad(set_to_none=True)
+        x, y = batch(0, t, _rank())
+        loss_of(net(x), y).backward()
+        res.append(_full_grads(net))
+    sd = comp.state_dict()
+    sd = dict(sd, residuals={k: v.clone() for k, v in sd["residuals"].items()})
+    net.zero_grad(set_to_none=True)
+    x, y = batch(0, steps, _rank())
+    loss_of(net(x), y).backward()  # residuals move on
+    comp.load_state_dict(sd)
+    live = comp.state_dict()["residuals"]
+    restored = all(torch.equal(v, live[k]) for k, v in sd["residuals"].items())
+    return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats(),
+            "keys": sorted(sd["residuals"]), "restored": restored}
+
+
+def w_nonfinite():
+    """A compensated value beyond bf16's range (rounds to inf) or an inf input: that element's
+    residual restarts from 0 instead of becoming -inf/NaN; the other elements are unaffected."""
+    from xirang.fsdp import XirangReduceScatter
+
+    g = mp_pool.group()
+    ws = dist.get_world_size(g)
+    c = XirangReduceScatter("direct", None, "bf16", True, torch.float32, None)
+    inp = torch.full((4 * ws,), 1.0 + 2.0 ** -10)  # not a bf16 value: rounds to 1, a residual of +2^-10 each
+    inp[0] = 3.4e38  # finite in fp32, past the largest bf16 (3.3895e38) by over half a ulp: rounds to +inf
+    inp[1] = float("inf")
+    out = torch.empty(4)
+    c(out, inp, g, dist.ReduceOp.SUM)
+    return {"residual": c.residual.clone(), "out": out}
+
+
+# ====================================================================== test side
+def _assert_close(got, want, rtol, atol, what, scale=None):
+    """|got - want| <= atol + rtol * scale elementwise (scale: |want| unless given)."""
+    got, want = got.double(), want.double()
+    err = (got - want).abs()
+    bound = atol + rtol * (want.abs() if scale is None else scale)
+    assert bool((err <= bound).all()), f"{what}: max err {float(err.max()):.3e}, worst excess " \
+                                       f"{float((err - bound).max()):.3e}"
+
+
+def _unpad(vec, layout, ws):
+    """A residual vector in FSDP's padded [ws, shard] layout -> (name -> param-shaped tensor, pads)."""
+    rows = vec.view(ws, -1)
+    off = 0
+    parts = {}
+    pads = []
+    for name, shape in layout:
+        d0 = shape[0]
+        inner = math.prod(shape[1:])
+        c = -(-d0 // ws)
+        seg = rows[:, off:off + c * inner].reshape(ws * c, *shape[1:])  # owner j holds rows j*c..(j+1)*c
+        parts[name] = seg[:d0]
+        pads.append(seg[d0:].reshape(-1))
+        off += c * inner
+    assert off == rows.shape[1], "layout does not cover the residual"
+    return parts, torch.cat(pads) if pads else torch.zeros(0)
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_fp32_wire_equals_unsharded(pool, ws):
+    res = pool.run(w_grads, "fp32", True, steps=2)
+    for t in range(2):
+        want, _ = ref_grads(ws, t)
+        for r, out in enumerate(res):
+            for n, g in out["grads"][t].items():
+                _assert_close(g, want[n], 1e-5, 1e-6, f"step {t} rank {r} {n}")
+    st = res[0]["stats"]["totals"]
+    n_elems = sum(math.prod(s) for lay in res[0]["layouts"].values() for _, s in lay)
+    assert st["residual_bytes"] == 0 and st["bytes_wire_per_step"] == st["bytes_raw_per_step"]
+    assert st["bytes_wire_per_step"] >= 4 * n_elems * (ws - 1) / ws  # padded: at least the ring's bytes
+
+
+@pytest.mark.parametrize("ws", [2])
+@pytest.mark.parametrize("mp_bf16", [False, True], ids=["fp32", "bf16-mp"])
+def test_list_form_divide_factor(pool, ws, mp_bf16):
+    f = 5.0
+    res = pool.run(w_grads, "bf16", True, form="list", factor=f, mp_bf16=mp_bf16)
+    assert "l1+l2" in res[0]["layouts"], res[0]["layouts"].keys()
+    if mp_bf16:  # reference: the unsharded model run in bf16, the ranks' bf16 grads summed in fp64, / f
+        want, per_rank = ref_grads(ws, 0, dtype=torch.bfloat16, factor=f)
+        rtol = 4 * BF16_REL  # bf16 forward/backward on both sides, and our one rounding of the output
+    else:
+        want, per_rank = ref_grads(ws, 0, factor=f)
+        rtol = BF16_REL
+    scale = abs_scale(per_rank, ws, f)
+    for r, out in enumerate(res):
+        for n, g in out["grads"][0].items():
+            _assert_close(g, want[n], rtol, 1e-4 if mp_bf16 else 1e-6, f"rank {r} {n} (sum/{f})", scale[n])
+        mean, _ = ref_grads(ws, 0)
+        g = out["grads"][0]["l3.weight"].double()
+        assert (g - mean["l3.weight"] * ws / f).abs().max() < (g - mean["l3.weight"]).abs().max(), "not sum/f"
+
+
+@pytest.mark.parametrize("ws", [1])
+@pytest.mark.parametrize("factor", [None, 2.0])
+def test_world_size_1(pool, ws, factor):
+    res = pool.run(w_grads, "bf16", True, steps=2, factor=factor)
+    for t in range(2):
+        want, _ = ref_grads(1, t, factor=factor)
+        for n, g in res[0]["grads"][t].items():
+            _assert_close(g, want[n], 1e-5, 1e-7, f"ws=1 step {t} {n}")
+    assert res[0]["grads"][0]["scale"].shape == (1,)
+    assert res[0]["stats"]["totals"]["residual_bytes"] == 0  # FSDP skips the comm at world size 1
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_padding_never_leaks(pool, ws):
+    steps = 4
+    res = pool.run(w_grads, "bf16", True, steps=steps)
+    for r, out in enumerate(res):
+        assert out["residuals"], "no residual kept"
+        for name, vec in out["residuals"].items():
+            lay = out["layouts"][name]
+            assert any(s[0] % ws for _, s in lay) or name == "<root>", f"{name}: no padded parameter"
+            parts, pads = _unpad(vec, lay, ws)
+            assert pads.numel() > 0 or not any(s[0] % ws for _, s in lay)
+            assert int(torch.count_nonzero(pads)) == 0, f"rank {r} {name}: residual pad region not zero: {pads}"
+            assert any(int(torch.count_nonzero(p)) for p in parts.values()), f"rank {r} {name}: residual all zero"
+        prev = None
+        for t in range(steps):
+            want, per_rank = ref_grads(ws, t)
+            scale = abs_scale(per_rank, ws)
+            for n, g in out["grads"][t].items():
+                assert g.shape == want[n].shape
+                # applied - mean = mean_r (e_r[t-1] - e_r[t]): this step's rounding and the last
+                # step's residual fed back, each at most 2^-8 of its compensated value
+                both = scale[n] + (prev[n] if prev is not None else 0)
+                _assert_close(g, want[n], 1.05 * BF16_REL, 1e-6, f"rank {r} step {t} {n}", both)
+            prev = scale
+
+
+@pytest.mark.parametrize("ws", [3])
+def test_error_feedback_telescopes(pool, ws):
+    """Over T steps: sum_t m_t - sum_t a_t == mean_r e_r (the residuals now), where m_t is the true
+    mean gradient (fp64, unsharded), a_t the applied gradient (what the owners decoded and
+    averaged), e_r rank r's residual. Both sides in fp64; the tolerance, 1e-5 of the largest
+    |m_t| element over the steps, leaves room for the fp32 arithmetic of T steps (gradients
+    computed and summed in fp32: ~2^-24 each) but not for one lost or double-counted bf16
+    rounding (~2^-9 of a gradient)."""
+    T = 100
+    res = pool.run(w_telescoping, T, timeout=120)
+    ref_sum, scale = {}, 0.0
+    for t in range(T):
+        m, _ = ref_grads(ws, t)
+        for n, v in m.items():
+            ref_sum[n] = ref_sum.get(n, 0) + v
+            scale = max(scale, float(v.abs().max()))
+    applied = {n: torch.cat([res[r]["applied_sum"][n] for r in range(ws)]) for n in ref_sum}
+    resid = {}
+    for r in range(ws):
+        for name, vec in res[r]["residuals"].items():
+            parts, pads = _unpad(vec.double(), res[r]["layouts"][name], ws)
+            assert int(torch.count_nonzero(pads)) == 0
+            for n, p in parts.items():
+                resid[n] = resid.get(n, 0) + p / ws
+    assert set(resid) == set(ref_sum)
+    worst = 0.0
+    for n in ref_sum:
+        lhs = ref_sum[n] - applied[n]
+        err = float((lhs - resid[n]).abs().max())
+        worst = max(worst, err)
+        assert err <= 1e-5 * scale, f"{n}: |sum m - sum a - mean e| = {err:.3e} > 1e-5 x {scale:.3e}"
+    # the check discriminates: the residual term itself is far above the tolerance
+    assert max(float(v.abs().max()) for v in resid.values()) > 10 * 1e-5 * scale, "residuals too small to tell"
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_bf16_error_feedback_on_off(pool, ws):
+    """Constant gradients (fixed parameters and batch) for T steps: without error feedback every
+    step applies the same rounded mean, so the error of the running sum grows as T; with it the
+    error stays bounded by the residual (half a bf16 ulp of the gradient)."""
+    T = 16
+    on = pool.run(w_fixed_batch, True, T)
+    off = pool.run(w_fixed_batch, False, T)
+    m, per_rank = ref_grads(ws, 0)
+    scale = abs_scale(per_rank, ws)
+    assert off[0]["stats"]["totals"]["residual_bytes"] == 0
+    n_pad = on[0]["stats"]["totals"]["residual_bytes"] // 4
+    assert n_pad >= sum(v.numel() for v in m.values())  # fp32 residual = padded unsharded gradient
+    assert on[0]["stats"]["totals"]["bytes_wire_per_step"] * 2 == on[0]["stats"]["totals"]["bytes_raw_per_step"]
+    for r in range(ws):
+        for n in m:
+            _assert_close(on[r]["grads"][0][n], m[n], BF16_REL, 1e-6, f"EF on, step 0, {n}", scale[n])
+            _assert_close(off[r]["grads"][0][n], m[n], BF16_REL, 1e-6, f"EF off, step 0, {n}", scale[n])
+            assert torch.equal(on[r]["grads"][0][n], off[r]["grads"][0][n])  # residual starts at 0
+            for t in range(1, T):
+                assert torch.equal(off[r]["grads"][t][n], off[r]["grads"][0][n])
+    err_on = err_off = 0.0
+    for n in m:
+        s_on = sum(g[n].double() for g in on[0]["grads"])
+        s_off = sum(g[n].double() for g in off[0]["grads"])
+        e_on = float(((s_on - T * m[n]).abs() / (scale[n] + 1e-6)).max())
+        e_off = float(((s_off - T * m[n]).abs() / (scale[n] + 1e-6)).max())
+        assert e_on <= 2 * BF16_REL, f"{n}: EF on, running-sum error {e_on:.3e} not bounded"
+        err_on, err_off = max(err_on, e_on), max(err_off, e_off)
+    assert err_off > 4 * err_on, (err_on, err_off)
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_state_dict_round_trip_and_reset(pool, ws):
+    res = pool.run(w_state_dict)
+    for r, out in enumerate(res):
+        assert out["changed"] and out["restored"], out
+        assert out["ws"] == ws and all(k.startswith(f"rank{r}.") for k in out["keys"]), out["keys"]
+        assert out["zero_after_ws"]
+        assert any("reset" in ln and f"world size {ws + 1}" in ln for ln in out["lines_ws"]), out["lines_ws"]
+        assert len(out["lines_shape"]) == 1 and "shape (3,)" in out["lines_shape"][0], out["lines_shape"]
+        assert len(out["zero_groups"]) == 1 and out["n_groups"] == 3
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_state_dict_through_dcp(pool, ws, tmp_path):
+    res = pool.run(w_dcp, str(tmp_path / "ckpt"))
+    for out in res:
+        assert out["changed"] and out["restored"], out
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_bf16_residual(pool, ws):
+    """residual_dtype=bf16: half the residual bytes; gradients within the fp32 residual's bound
+    (the residual's own rounding adds at most 2^-8 of a residual, 2^-16 of a gradient)."""
+    steps = 3
+    res = pool.run(w_grads, "bf16", True, steps=steps, residual_dtype=torch.bfloat16)
+    n = sum(math.prod(s) for _, s in sum(res[0]["layouts"].values(), []))
+    assert res[0]["stats"]["totals"]["residual_bytes"] >= 2 * n
+    assert res[0]["stats"]["totals"]["residual_bytes"] < 4 * n  # half of fp32's (padding aside)
+    for r, out in enumerate(res):
+        for name, vec in out["residuals"].items():
+            assert vec.dtype == torch.bfloat16
+            parts, pads = _unpad(vec, out["layouts"][name], ws)
+            assert int(torch.count_nonzero(pads)) == 0
+        prev = None
+        for t in range(steps):
+            want, per_rank = ref_grads(ws, t)
+            scale = abs_scale(per_rank, ws)
+            for nm, g in out["grads"][t].items():
+                both = scale[nm] + (prev[nm] if prev is not None else 0)
+                _assert_close(g, want[nm], 1.1 * BF16_REL, 1e-6, f"rank {r} step {t} {nm}", both)
+            prev = scale
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_errors_are_clear(pool, ws):
+    res = pool.run(w_errors)
+    for r, out in enumerate(res):
+        assert f"rank {r}" in out["op"] and "op must be SUM" in out["op"], out["op"]
+        assert "expected world size" in out["size"], out["size"]
+        assert "meta" in out["device"] and "does not serve" in out["device"], out["device"]
+        assert "floating-point" in out["int"], out["int"]
+        assert out["residual_untouched"]
+        assert "was changed after xirang.fsdp.compress()" in out["factor_changed"], out["factor_changed"]
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_recompress_takes_a_new_factor(pool, ws):
+    res = pool.run(w_recompress)
+    mean, _ = ref_grads(ws, 0)
+    summed, _ = ref_grads(ws, 0, factor=4.0)
+    for r, out in enumerate(res):
+        assert out["factors"] == {"l1": 4.0, "l2": None, "<root>": None}, out["factors"]
+        for n, g in out["grads"].items():
+            want = summed[n] if n.startswith("l1.") else mean[n]
+            _assert_close(g, want, 1e-5, 1e-7, f"rank {r} {n}")
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_async_op_returns_work(pool, ws):
+    res = pool.run(w_async)
+    for r, out in enumerate(res):
+        assert out["is_work"]
+        want = torch.arange(3 * ws, dtype=torch.float64).view(ws, 3)[r] * sum(range(1, ws + 1)) / ws
+        assert torch.equal(out["sync"], out["async"])
+        _assert_close(out["sync"], want, 1e-7, 0, f"rank {r}")
+
+
+@pytest.mark.parametrize("ws", [4])
+@pytest.mark.parametrize("wire", ["bf16"])
+def test_hsdp_2x2(pool, ws, wire):
+    """HSDP: reduce-scatter over the shard dimension through xirang (divided by shard x replicate),
+    FSDP's all-reduce over the replicas sums: the mean over all 4 ranks' batches."""
+    steps = 2
+    res = pool.run(w_hsdp, wire, steps, timeout=90)
+    assert res[0]["sizes"] == (2, 2)
+    prev = None
+    for t in range(steps):
+        want, per_rank = ref_grads(ws, t)
+        scale = abs_scale(per_rank, ws)
+        for r, out in enumerate(res):
+            for n, g in out["grads"][t].items():
+                if wire == "fp32":
+                    _assert_close(g, want[n], 1e-5, 1e-6, f"step {t} rank {r} {n}")
+                else:
+                    both = scale[n] + (prev[n] if prev is not None else 0)
+                    _assert_close(g, want[n], 1.05 * BF16_REL, 1e-6, f"step {t} rank {r} {n}", both)
+        prev = scale
+    rb = res[0]["stats"]["totals"]["residual_bytes"]
+    assert rb == 0 if wire == "fp32" else rb >= 4 * sum(v.numel() for v in want.values())
+
+
+@pytest.mark.parametrize("ws", [4])
+@pytest.mark.parametrize("wire,ef", [("fp32", True), ("bf16", True), ("bf16", False)], ids=["fp32", "bf16", "bf16-noef"])
+def test_hsdp_replicate_hook_2x2(pool, ws, wire, ef):
+    """HSDP through compress(replicate_group=...): the shard reduce-scatter divides by 2, the
+    all-reduce hook averages over the 2 replicas (bf16 error feedback for wire bf16): the mean
+    over all 4 ranks' batches, from replica 0's parameters."""
+    steps = 2
+    res = pool.run(w_hsdp_hook, wire, steps, ef=ef, timeout=90)
+    assert res[0]["sizes"] == (2, 2)
+    prev = None
+    for t in range(steps):
+        want, per_rank = ref_grads(ws, t)
+        scale = abs_scale(per_rank, ws)
+        for r, out in enumerate(res):
+            for n, g in out["grads"][t].items():
+                if wire == "fp32":
+                    _assert_close(g, want[n], 1e-5, 1e-6, f"step {t} rank {r} {n}")
+                else:  # two roundings (reduce-scatter, replicate all-reduce), each with its residual
+                    both = scale[n] + (prev[n] if prev is not None else 0)
+                    _assert_close(g, want[n], 2.1 * BF16_REL, 1e-6, f"step {t} rank {r} {n}", both)
+        prev = scale
+    tot = res[0]["stats"]["totals"]
+    if wire == "bf16":
+        assert tot["replicate_bytes_wire_per_step"] * 2 == tot["replicate_bytes_raw_per_step"] > 0
+        for r, out in enumerate(res):
+            has = any(k.endswith(".replicate") and k.startswith(f"rank{r}.") for k in out["keys"])
+            assert has == ef and out["restored"], out["keys"]
+        assert (tot["residual_bytes"] > 0) == ef
+    else:
+        assert tot["replicate_bytes_wire_per_step"] == tot["replicate_bytes_raw_per_step"] > 0
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_nonfinite_does_not_poison_the_residual(pool, ws):
+    res = pool.run(w_nonfinite)
+    for r, out in enumerate(res):
+        e = out["residual"]
+        assert e[0] == 0 and e[1] == 0, e[:2]
+        assert torch.equal(e[2:], torch.full((4 * ws - 2,), 2.0 ** -10)), e
+        if r == 0:  # rank 0 owns chunk 0: the non-finite elements reach the output as inf
+            assert math.isinf(float(out["out"][0])) and math.isinf(float(out["out"][1]))
+        assert torch.equal(out["out"][2:], torch.ones(2)), out["out"]
+
+
+def test_compress_rejects_bad_arguments():
+    import xirang
+
+    with pytest.raises(ValueError, match="wire must be one of"):
+        xirang.fsdp.compress(nn.Linear(2, 2), wire="int8")
+    with pytest.raises(ValueError, match="residual_dtype"):
+        xirang.fsdp.compress(nn.Linear(2, 2), residual_dtype=torch.float16)
+    with pytest.raises(ValueError, match="no FSDP module"):
+        xirang.fsdp.compress(nn.Linear(2, 2))
+
+
+@pytest.mark.dedicated
+def test_benchmark_and_example_run(tmp_path):
+    """benchmarks/fsdp.py (over examples/train.py --fsdp) under torchrun, 2 ranks, a small digits
+    model: the bf16 run sends half the fp32 run's reduce-scatter bytes and trains as well."""
+    from conftest import require_backend
+
+    require_backend("xirang")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    summary = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(root, "benchmarks", "fsdp.py"), "--task", "digits", "--depth", "2", "--steps", "8",
+           "--warmup-steps", "2", "--no-progress", "--wires", "fp32,bf16", "--summary", str(summary)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    assert "reduce-scatter" in p.stdout and "bf16" in p.stdout, p.stdout[-2000:]
+    with open(summary) as f:
+        fp32, bf16 = json.load(f)["runs"]
+    assert fp32["fsdp_wire"] == "fp32" and bf16["fsdp_wire"] == "bf16"
+    assert bf16["bytes_wire_per_step"] * 2 == fp32["bytes_wire_per_step"] == bf16["bytes_raw_per_step"]
+    assert fp32["residual_bytes"] == 0 and bf16["residual_bytes"] >= 4 * fp32["parameters"]
+    assert abs(bf16["final_loss"] - fp32["final_loss"]) < 0.02 * fp32["final_loss"], (fp32, bf16)
