@@ -148,14 +148,14 @@ def w_grads(wire, ef, steps=1, form="nested", factor=None, mp_bf16=False, seed=0
             "layouts": _layouts(net, comp)}
 
 
-def w_telescoping(steps, seed=0):
-    """bf16 + EF with fixed parameters and a fresh batch per step: per step's local grad shards
+def w_telescoping(steps, seed=0, wire="bf16"):
+    """``wire`` + EF with fixed parameters and a fresh batch per step: per step's local grad shards
     summed in fp64, and the final residuals."""
     import xirang
 
     net = make_net(seed)
     _shard(net, _mesh())
-    comp = xirang.fsdp.compress(net, wire="bf16", error_feedback=True)
+    comp = xirang.fsdp.compress(net, wire=wire, error_feedback=True)
     acc = None
     for t in range(steps):
         net.zero_grad(set_to_none=True)
@@ -167,20 +167,20 @@ def w_telescoping(steps, seed=0):
             "layouts": _layouts(net, comp)}
 
 
-def w_fixed_batch(ef, steps):
+def w_fixed_batch(ef, steps, wire="bf16"):
     """The same batch every step (constant gradients): each step's applied full gradients."""
     import xirang
 
     net = make_net(0)
     _shard(net, _mesh())
-    comp = xirang.fsdp.compress(net, wire="bf16", error_feedback=ef)
+    comp = xirang.fsdp.compress(net, wire=wire, error_feedback=ef)
     out = []
     x, y = batch(0, 0, _rank())
     for _ in range(steps):
         net.zero_grad(set_to_none=True)
         loss_of(net(x), y).backward()
         out.append(_full_grads(net))
-    return {"grads": out, "stats": comp.stats()}
+    return {"grads": out, "stats": comp.stats(), "layouts": _layouts(net, comp)}
 
 
 class _Capture(logging.Handler):
@@ -396,6 +396,33 @@ def w_nonfinite():
     return {"residual": c.residual.clone(), "out": out}
 
 
+def int8_direct_input(rank, ws, s):
+    """Rank ``rank``'s input for :func:`w_int8_direct` (``[ws * s]`` fp32), rebuilt by the test:
+    chunk 0's second segment zero on every rank (a zero segment), rank 0's chunk 1 with an inf
+    in its first segment, a large value in every chunk's short last segment."""
+    from xirang.fsdp import SEGMENT
+
+    g = torch.Generator().manual_seed(4242 + rank)
+    x = torch.randn(ws, s, generator=g) * (rank + 1)
+    x[0, SEGMENT:2 * SEGMENT] = 0
+    x[:, -5] = 40.0 * (rank + 1)
+    if rank == 0:
+        x[1, 3] = float("inf")
+    return x.reshape(-1)
+
+
+def w_int8_direct(s):
+    """One int8 + EF reduce-scatter through a comm called directly, chunks of ``s`` elements."""
+    from xirang.fsdp import XirangReduceScatter
+
+    g = mp_pool.group()
+    ws = dist.get_world_size(g)
+    c = XirangReduceScatter("direct", None, "int8", True, torch.float32, None)
+    out = torch.empty(s)
+    c(out, int8_direct_input(_rank(), ws, s), g, dist.ReduceOp.SUM)
+    return {"out": out, "residual": c.residual.clone(), "bytes_wire": c.bytes_wire_last, "bytes_raw": c.bytes_raw_last}
+
+
 # ====================================================================== test side
 def _assert_close(got, want, rtol, atol, what, scale=None):
     """|got - want| <= atol + rtol * scale elementwise (scale: |want| unless given)."""
@@ -422,6 +449,43 @@ def _unpad(vec, layout, ws):
         off += c * inner
     assert off == rows.shape[1], "layout does not cover the residual"
     return parts, torch.cat(pads) if pads else torch.zeros(0)
+
+
+def _pad(grads, layout, ws):
+    """The inverse of :func:`_unpad`: name -> param-shaped tensor -> FSDP's padded [ws * shard]
+    layout (fp64, zeros in the padding)."""
+    rows = [[] for _ in range(ws)]
+    for name, shape in layout:
+        d0, inner = shape[0], math.prod(shape[1:])
+        c = -(-d0 // ws)
+        full = torch.zeros(ws * c, inner, dtype=torch.float64)
+        full[:d0] = grads[name].double().reshape(d0, inner)
+        for j in range(ws):
+            rows[j].append(full[j * c:(j + 1) * c].reshape(-1))
+    return torch.cat([torch.cat(r) for r in rows])
+
+
+def _seg_scales(rows, seg):
+    """[ws, s] fp64 chunks -> per element its segment's absmax (finite values) / 127, [ws, s]:
+    segments of ``seg`` elements from each chunk's start (the last one short)."""
+    ws, s = rows.shape
+    out = torch.empty_like(rows)
+    for a in range(0, s, seg):
+        blk = rows[:, a:a + seg]
+        fin = torch.where(torch.isfinite(blk), blk.abs(), torch.zeros_like(blk))
+        out[:, a:a + seg] = (fin.amax(dim=1, keepdim=True) / 127).expand_as(blk)
+    return out
+
+
+def _int8_bound(per_rank, layout, ws, seg):
+    """name -> the int8 bound of the mean's error at a step whose residual is 0:
+    sum over ranks of (the element's segment scale / 2), / ws."""
+    acc = None
+    for g in per_rank:
+        sc = _seg_scales(_pad(g, layout, ws).view(ws, -1), seg).reshape(-1) / 2
+        acc = sc if acc is None else acc + sc
+    parts, _ = _unpad(acc / ws, layout, ws)
+    return parts
 
 
 @pytest.mark.parametrize("ws", [2, 3])
@@ -498,15 +562,16 @@ def test_padding_never_leaks(pool, ws):
 
 
 @pytest.mark.parametrize("ws", [3])
-def test_error_feedback_telescopes(pool, ws):
-    """Over T steps: sum_t m_t - sum_t a_t == mean_r e_r (the residuals now), where m_t is the true
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_error_feedback_telescopes(pool, ws, wire):
+    """Over T steps (``wire`` + error feedback): sum_t m_t - sum_t a_t == mean_r e_r (the residuals now), where m_t is the true
     mean gradient (fp64, unsharded), a_t the applied gradient (what the owners decoded and
     averaged), e_r rank r's residual. Both sides in fp64; the tolerance, 1e-5 of the largest
     |m_t| element over the steps, leaves room for the fp32 arithmetic of T steps (gradients
     computed and summed in fp32: ~2^-24 each) but not for one lost or double-counted bf16
-    rounding (~2^-9 of a gradient)."""
+    rounding (~2^-9 of a gradient; an int8 rounding is up to half a segment's scale, larger)."""
     T = 100
-    res = pool.run(w_telescoping, T, timeout=120)
+    res = pool.run(w_telescoping, T, wire=wire, timeout=120)
     ref_sum, scale = {}, 0.0
     for t in range(T):
         m, _ = ref_grads(ws, t)
@@ -709,11 +774,110 @@ def test_nonfinite_does_not_poison_the_residual(pool, ws):
         assert torch.equal(out["out"][2:], torch.ones(2)), out["out"]
 
 
+@pytest.mark.parametrize("ws", [2, 3])
+def test_int8_gradients_within_the_scale_bound(pool, ws):
+    """int8 + EF, first step (residual 0): every element of the applied mean within
+    sum_r scale_r / 2 / ws of the fp64 mean, the scales recomputed here from the ranks' fp64
+    gradients in FSDP's padded layout; wire bytes = (ws-1) x (s + 4 ceil(s / SEGMENT)) per group."""
+    from xirang.fsdp import SEGMENT
+
+    res = pool.run(w_grads, "int8", True, steps=1)
+    want, per_rank = ref_grads(ws, 0)
+    scale = abs_scale(per_rank, ws)
+    st = res[0]["stats"]
+    for grp in st["groups"]:
+        lay = res[0]["layouts"][grp["name"]]
+        s = sum(-(-sh[0] // ws) * math.prod(sh[1:]) for _, sh in lay)
+        assert grp["bytes_wire_last"] == (ws - 1) * (s + 4 * (-(-s // SEGMENT))), grp
+        assert grp["bytes_raw_last"] == (ws - 1) * s * 4, grp
+        assert grp["residual_bytes"] == 4 * ws * s, grp
+    bound = {}
+    for lay in res[0]["layouts"].values():
+        bound.update(_int8_bound(per_rank, lay, ws, SEGMENT))
+    worst = 0.0
+    for r, out in enumerate(res):
+        for n, g in out["grads"][0].items():
+            err = (g.double() - want[n]).abs()
+            b = 1.001 * bound[n] + 1e-6 * scale[n] + 1e-8  # + the fp32 gradients' own error
+            assert bool((err <= b).all()), f"rank {r} {n}: max err {float(err.max()):.3e}, bound {float(b.max()):.3e}"
+            worst = max(worst, float((err / b).max()))
+    assert worst > 0.05, f"errors far below the int8 bound ({worst:.3f}): is it quantizing?"
+
+
+@pytest.mark.parametrize("ws", [2])
+@pytest.mark.parametrize("s", [2 * 1024 + 300, 37])
+def test_int8_segments_short_zero_nonfinite(pool, ws, s):
+    """A direct int8 + EF reduce-scatter, chunks of s elements (3 segments, the last short; one
+    short segment): the output is mean_r(x_r - e_r) (what the sender's residual says the owner
+    decoded), within the scale bound of mean_r x_r; a zero segment is exactly 0 with zero
+    residual; an inf reaches the owner as NaN, its residual is 0, and its segment's other
+    elements keep the finite scale."""
+    from xirang.fsdp import SEGMENT
+
+    res = pool.run(w_int8_direct, s)
+    xs = [int8_direct_input(r, ws, s).double() for r in range(ws)]
+    scales = [_seg_scales(x.view(ws, s), SEGMENT) for x in xs]
+    nseg = -(-s // SEGMENT)
+    for r, out in enumerate(res):
+        assert out["bytes_wire"] == (ws - 1) * (s + 4 * nseg) and out["bytes_raw"] == (ws - 1) * s * 4, out
+        e = out["residual"].double().view(ws, s)
+        assert bool((e.abs() <= scales[r] / 2 * (1 + 1e-6)).all()), "residual above half a scale"
+        if r == 0:
+            assert e[1, 3] == 0, "residual of the inf element"
+        if s > SEGMENT:
+            assert int(torch.count_nonzero(e[0, SEGMENT:2 * SEGMENT])) == 0
+        got = out["out"].double()
+        mean = sum(x.view(ws, s)[r] for x in xs) / ws
+        bound = sum(sc[r] for sc in scales) / 2 / ws
+        fin = torch.isfinite(mean)
+        if r == 1:
+            assert bool(torch.isnan(got[3])) and int((~fin).sum()) == 1 and not bool(fin[3])
+            assert float(scales[0][1, 0]) < 1.0, "the inf entered the reference scale"
+        assert bool(torch.isfinite(got[fin]).all())
+        err = (got - mean)[fin].abs()
+        assert bool((err <= bound[fin] * 1.001 + 1e-7).all()), f"rank {r}: max err {float(err.max()):.3e}"
+        assert float(err.max()) > 0.05 * float(bound.max()), "no quantization error at all"
+        decoded = sum(xs[q].view(ws, s)[r] - res[q]["residual"].double().view(ws, s)[r] for q in range(ws)) / ws
+        assert bool(((got - decoded)[fin].abs() <= 1e-6 * (decoded[fin].abs() + 1)).all()), "owner != x - e"
+        if r == 0 and s > SEGMENT:
+            assert torch.equal(got[SEGMENT:2 * SEGMENT], torch.zeros(SEGMENT, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_int8_error_feedback_on_off(pool, ws):
+    """Constant gradients for T steps, int8: without error feedback every step applies the same
+    quantized mean (the running sum's error grows as T); with it the running sum stays within
+    the one-step scale bound (the residual now)."""
+    from xirang.fsdp import SEGMENT
+
+    T = 16
+    on = pool.run(w_fixed_batch, True, T, wire="int8")
+    off = pool.run(w_fixed_batch, False, T, wire="int8")
+    m, per_rank = ref_grads(ws, 0)
+    scale = abs_scale(per_rank, ws)
+    bound = {}
+    for lay in on[0]["layouts"].values():
+        bound.update(_int8_bound(per_rank, lay, ws, SEGMENT))
+    assert off[0]["stats"]["totals"]["residual_bytes"] == 0 < on[0]["stats"]["totals"]["residual_bytes"]
+    err_on = err_off = 0.0
+    for n in m:
+        b = 1.05 * bound[n] + 1e-6 * scale[n] + 1e-8
+        for t in range(1, T):
+            assert torch.equal(off[0]["grads"][t][n], off[0]["grads"][0][n])
+        s_on = sum(g[n].double() for g in on[0]["grads"])
+        s_off = sum(g[n].double() for g in off[0]["grads"])
+        e_on = float(((s_on - T * m[n]).abs() / b).max())
+        e_off = float(((s_off - T * m[n]).abs() / b).max())
+        assert e_on <= 1.0, f"{n}: EF on, running-sum error {e_on:.3f} x the bound"
+        err_on, err_off = max(err_on, e_on), max(err_off, e_off)
+    assert err_off > 4 * err_on, (err_on, err_off)
+
+
 def test_compress_rejects_bad_arguments():
     import xirang
 
     with pytest.raises(ValueError, match="wire must be one of"):
-        xirang.fsdp.compress(nn.Linear(2, 2), wire="int8")
+        xirang.fsdp.compress(nn.Linear(2, 2), wire="fp8")
     with pytest.raises(ValueError, match="residual_dtype"):
         xirang.fsdp.compress(nn.Linear(2, 2), residual_dtype=torch.float16)
     with pytest.raises(ValueError, match="no FSDP module"):
