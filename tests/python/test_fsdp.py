@@ -805,6 +805,29 @@ def test_int8_gradients_within_the_scale_bound(pool, ws):
 
 
 @pytest.mark.parametrize("ws", [2])
+@pytest.mark.parametrize("mp_bf16", [False, True], ids=["fp32", "bf16-mp"])
+def test_int8_list_form_divide_factor(pool, ws, mp_bf16):
+    """int8 with the list form and a divide factor f: sum / f within sum_r scale_r / 2 / f; with
+    a bf16 reduce dtype the output is rounded once more (and forward/backward run in bf16 on both
+    sides: the reference is the unsharded model in bf16)."""
+    from xirang.fsdp import SEGMENT
+
+    f = 5.0
+    res = pool.run(w_grads, "int8", True, form="list", factor=f, mp_bf16=mp_bf16)
+    want, per_rank = ref_grads(ws, 0, dtype=torch.bfloat16 if mp_bf16 else torch.float64, factor=f)
+    scale = abs_scale(per_rank, ws, f)
+    bound = {}
+    for lay in res[0]["layouts"].values():
+        bound.update({n: b * ws / f for n, b in _int8_bound(per_rank, lay, ws, SEGMENT).items()})
+    rtol = 4 * BF16_REL if mp_bf16 else 1e-6
+    for r, out in enumerate(res):
+        for n, g in out["grads"][0].items():
+            assert g.dtype == torch.float32
+            err = (g.double() - want[n]).abs()
+            b = 1.001 * bound[n] + rtol * (scale[n] + bound[n]) + 1e-6
+            assert bool((err <= b).all()), f"rank {r} {n}: max err {float(err.max()):.3e}"
+
+@pytest.mark.parametrize("ws", [2])
 @pytest.mark.parametrize("s", [2 * 1024 + 300, 37])
 def test_int8_segments_short_zero_nonfinite(pool, ws, s):
     """A direct int8 + EF reduce-scatter, chunks of s elements (3 segments, the last short; one
