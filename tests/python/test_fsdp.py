@@ -345,7 +345,8 @@ def w_hsdp(wire, steps=2):
         x, y = batch(0, t, _rank())
         loss_of(net(x), y).backward()
         res.append(_full_grads(net))
-    return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats()}
+    return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats(),
+            "layouts": _layouts(net, comp)}
 
 
 def w_hsdp_hook(wire, steps=2, ef=True):
@@ -707,10 +708,13 @@ def test_async_op_returns_work(pool, ws):
 
 
 @pytest.mark.parametrize("ws", [4])
-@pytest.mark.parametrize("wire", ["bf16"])
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
 def test_hsdp_2x2(pool, ws, wire):
     """HSDP: reduce-scatter over the shard dimension through xirang (divided by shard x replicate),
-    FSDP's all-reduce over the replicas sums: the mean over all 4 ranks' batches."""
+    FSDP's all-reduce over the replicas sums: the mean over all 4 ranks' batches (int8: within
+    the scale bound of the 4 ranks, each rank's segments over its shard-dimension layout)."""
+    from xirang.fsdp import SEGMENT
+
     steps = 2
     res = pool.run(w_hsdp, wire, steps, timeout=90)
     assert res[0]["sizes"] == (2, 2)
@@ -718,14 +722,22 @@ def test_hsdp_2x2(pool, ws, wire):
     for t in range(steps):
         want, per_rank = ref_grads(ws, t)
         scale = abs_scale(per_rank, ws)
+        if wire == "int8":  # _int8_bound divides by its ws (the shard size, 2): / 2 more for 4 ranks
+            bound = {}
+            for lay in res[0]["layouts"].values():
+                bound.update({n: b / 2 for n, b in _int8_bound(per_rank, lay, 2, SEGMENT).items()})
         for r, out in enumerate(res):
             for n, g in out["grads"][t].items():
                 if wire == "fp32":
                     _assert_close(g, want[n], 1e-5, 1e-6, f"step {t} rank {r} {n}")
+                elif wire == "int8":
+                    b = 1.01 * (bound[n] + (prev[n] if prev is not None else 0)) + 1e-6 * scale[n] + 1e-8
+                    err = (g.double() - want[n]).abs()
+                    assert bool((err <= b).all()), f"step {t} rank {r} {n}: max err {float(err.max()):.3e}"
                 else:
                     both = scale[n] + (prev[n] if prev is not None else 0)
                     _assert_close(g, want[n], 1.05 * BF16_REL, 1e-6, f"step {t} rank {r} {n}", both)
-        prev = scale
+        prev = bound if wire == "int8" else scale
     rb = res[0]["stats"]["totals"]["residual_bytes"]
     assert rb == 0 if wire == "fp32" else rb >= 4 * sum(v.numel() for v in want.values())
 
