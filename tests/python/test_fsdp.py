@@ -378,7 +378,7 @@ def w_hsdp_hook(wire, steps=2, ef=True):
     live = comp.state_dict()["residuals"]
     restored = all(torch.equal(v, live[k]) for k, v in sd["residuals"].items())
     return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats(),
-            "keys": sorted(sd["residuals"]), "restored": restored}
+            "keys": sorted(sd["residuals"]), "restored": restored, "layouts": _layouts(net, comp)}
 
 
 def w_nonfinite():
@@ -743,11 +743,15 @@ def test_hsdp_2x2(pool, ws, wire):
 
 
 @pytest.mark.parametrize("ws", [4])
-@pytest.mark.parametrize("wire,ef", [("fp32", True), ("bf16", True), ("bf16", False)], ids=["fp32", "bf16", "bf16-noef"])
+@pytest.mark.parametrize("wire,ef", [("fp32", True), ("bf16", True), ("bf16", False), ("int8", True)],
+                         ids=["fp32", "bf16", "bf16-noef", "int8"])
 def test_hsdp_replicate_hook_2x2(pool, ws, wire, ef):
     """HSDP through compress(replicate_group=...): the shard reduce-scatter divides by 2, the
-    all-reduce hook averages over the 2 replicas (bf16 error feedback for wire bf16): the mean
-    over all 4 ranks' batches, from replica 0's parameters."""
+    all-reduce hook averages over the 2 replicas (bf16 error feedback for wire bf16; int8: the
+    replicate all-reduce uncompressed): the mean over all 4 ranks' batches, from replica 0's
+    parameters."""
+    from xirang.fsdp import SEGMENT
+
     steps = 2
     res = pool.run(w_hsdp_hook, wire, steps, ef=ef, timeout=90)
     assert res[0]["sizes"] == (2, 2)
@@ -755,14 +759,22 @@ def test_hsdp_replicate_hook_2x2(pool, ws, wire, ef):
     for t in range(steps):
         want, per_rank = ref_grads(ws, t)
         scale = abs_scale(per_rank, ws)
+        if wire == "int8":  # the 4 ranks' scale bound over the shard layout (see test_hsdp_2x2)
+            bound = {}
+            for lay in res[0]["layouts"].values():
+                bound.update({n: b / 2 for n, b in _int8_bound(per_rank, lay, 2, SEGMENT).items()})
         for r, out in enumerate(res):
             for n, g in out["grads"][t].items():
                 if wire == "fp32":
                     _assert_close(g, want[n], 1e-5, 1e-6, f"step {t} rank {r} {n}")
+                elif wire == "int8":
+                    b = 1.01 * (bound[n] + (prev[n] if prev is not None else 0)) + 1e-6 * scale[n] + 1e-8
+                    err = (g.double() - want[n]).abs()
+                    assert bool((err <= b).all()), f"step {t} rank {r} {n}: max err {float(err.max()):.3e}"
                 else:  # two roundings (reduce-scatter, replicate all-reduce), each with its residual
                     both = scale[n] + (prev[n] if prev is not None else 0)
                     _assert_close(g, want[n], 2.1 * BF16_REL, 1e-6, f"step {t} rank {r} {n}", both)
-        prev = scale
+        prev = bound if wire == "int8" else scale
     tot = res[0]["stats"]["totals"]
     if wire == "bf16":
         assert tot["replicate_bytes_wire_per_step"] * 2 == tot["replicate_bytes_raw_per_step"] > 0
@@ -772,6 +784,9 @@ def test_hsdp_replicate_hook_2x2(pool, ws, wire, ef):
         assert (tot["residual_bytes"] > 0) == ef
     else:
         assert tot["replicate_bytes_wire_per_step"] == tot["replicate_bytes_raw_per_step"] > 0
+    if wire == "int8":  # reduce-scatter residuals only, checkpointed
+        for out in res:
+            assert out["keys"] and not any(k.endswith(".replicate") for k in out["keys"]) and out["restored"]
 
 
 @pytest.mark.parametrize("ws", [2])
