@@ -1,4 +1,5 @@
-"""xirang.fsdp (issue #15): FSDP2's reduce-scatter with bf16 on the wire, fp32 sums, error feedback.
+"""xirang.fsdp (issue #15): FSDP2's reduce-scatter with bf16 or int8 (per-segment scales) on the
+wire, fp32 sums, error feedback.
 
 ``w_*`` functions run on the ranks of an ``mp_pool`` pool (the xirang backend on CPU; FSDP2's
 mesh is made from the pool's group); ``test_*`` functions rebuild every rank's batch in this
