@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""FSDP2 convergence and bytes: examples/train.py --fsdp with the reduce-scatter in fp32, in bf16
-without error feedback and in bf16 with it (xirang.fsdp.compress), one after the other in one
-torchrun job, same seed and batches; rank 0 prints a table.
+"""FSDP2 convergence and bytes: examples/train.py --fsdp with the reduce-scatter in fp32, and in
+bf16 and int8 (per-segment scales) each without and with error feedback (xirang.fsdp.compress),
+one after the other in one torchrun job, same seed and batches; rank 0 prints a table.
 
     torchrun --nproc_per_node=2 benchmarks/fsdp.py --task text --steps 300
     torchrun --nproc_per_node=2 benchmarks/fsdp.py --task text --steps 100 --wires fp32,bf16
+    torchrun --nproc_per_node=2 benchmarks/fsdp.py --task text --steps 200 --wires fp32,int8-noef,int8
 
 Every flag of examples/train.py applies to all runs (not --fsdp-wire, --hook, --save, --resume,
 --elastic). Rows: final loss (mean of the last 20 steps' global loss), held-out perplexity (per
@@ -23,7 +24,7 @@ import train  # noqa: E402  (examples/train.py)
 from launch import device_of, setup, write_summary  # noqa: E402
 from tasks import make_data  # noqa: E402
 
-WIRES = ("fp32", "bf16-noef", "bf16")
+WIRES = ("fp32", "bf16-noef", "bf16", "int8-noef", "int8")
 
 
 def table(runs: List[Dict[str, Any]]) -> str:

@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 instead of DDP: fully_shard on every block and the root, the reduce-scatter "
                         "through xirang.fsdp.compress (--fsdp-wire); --hook does not apply")
-    p.add_argument("--fsdp-wire", choices=["bf16", "bf16-noef", "fp32"], default="bf16",
-                   help="--fsdp: bf16 with error feedback, bf16 without it, or fp32 (no compression)")
+    p.add_argument("--fsdp-wire", choices=["bf16", "bf16-noef", "int8", "int8-noef", "fp32"], default="bf16",
+                   help="--fsdp: bf16 or int8 (per-segment scales) with error feedback, either without it "
+                        "(-noef), or fp32 (no compression)")
     p.add_argument("--layers-per-group", type=int, default=8)
     p.add_argument("--bucket-cap-mb", type=float, default=0.25,
                    help="DDP bucket cap; small buckets keep the hook's launch delay small")
@@ -169,7 +170,8 @@ def make_fsdp(model, args: argparse.Namespace, device: torch.device, xirang: Any
         if any(p.requires_grad for p in block.parameters()):
             fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    wire, ef = {"bf16": ("bf16", True), "bf16-noef": ("bf16", False), "fp32": ("fp32", False)}[args.fsdp_wire]
+    wire, ef = {"bf16": ("bf16", True), "bf16-noef": ("bf16", False), "int8": ("int8", True),
+                "int8-noef": ("int8", False), "fp32": ("fp32", False)}[args.fsdp_wire]
     return model, xirang.fsdp.compress(model, wire=wire, error_feedback=ef)
 
 

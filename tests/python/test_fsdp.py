@@ -1,4 +1,5 @@
-"""xirang.fsdp (issue #15): FSDP2's reduce-scatter with bf16 on the wire, fp32 sums, error feedback.
+"""xirang.fsdp (issue #15): FSDP2's reduce-scatter with bf16 or int8 (per-segment scales) on the
+wire, fp32 sums, error feedback.
 
 ``w_*`` functions run on the ranks of an ``mp_pool`` pool (the xirang backend on CPU; FSDP2's
 mesh is made from the pool's group); ``test_*`` functions rebuild every rank's batch in this
@@ -148,14 +149,14 @@ def w_grads(wire, ef, steps=1, form="nested", factor=None, mp_bf16=False, seed=0
             "layouts": _layouts(net, comp)}
 
 
-def w_telescoping(steps, seed=0):
-    """bf16 + EF with fixed parameters and a fresh batch per step: per step's local grad shards
+def w_telescoping(steps, seed=0, wire="bf16"):
+    """``wire`` + EF with fixed parameters and a fresh batch per step: per step's local grad shards
     summed in fp64, and the final residuals."""
     import xirang
 
     net = make_net(seed)
     _shard(net, _mesh())
-    comp = xirang.fsdp.compress(net, wire="bf16", error_feedback=True)
+    comp = xirang.fsdp.compress(net, wire=wire, error_feedback=True)
     acc = None
     for t in range(steps):
         net.zero_grad(set_to_none=True)
@@ -167,20 +168,20 @@ def w_telescoping(steps, seed=0):
             "layouts": _layouts(net, comp)}
 
 
-def w_fixed_batch(ef, steps):
+def w_fixed_batch(ef, steps, wire="bf16"):
     """The same batch every step (constant gradients): each step's applied full gradients."""
     import xirang
 
     net = make_net(0)
     _shard(net, _mesh())
-    comp = xirang.fsdp.compress(net, wire="bf16", error_feedback=ef)
+    comp = xirang.fsdp.compress(net, wire=wire, error_feedback=ef)
     out = []
     x, y = batch(0, 0, _rank())
     for _ in range(steps):
         net.zero_grad(set_to_none=True)
         loss_of(net(x), y).backward()
         out.append(_full_grads(net))
-    return {"grads": out, "stats": comp.stats()}
+    return {"grads": out, "stats": comp.stats(), "layouts": _layouts(net, comp)}
 
 
 class _Capture(logging.Handler):
@@ -345,7 +346,8 @@ def w_hsdp(wire, steps=2):
         x, y = batch(0, t, _rank())
         loss_of(net(x), y).backward()
         res.append(_full_grads(net))
-    return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats()}
+    return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats(),
+            "layouts": _layouts(net, comp)}
 
 
 def w_hsdp_hook(wire, steps=2, ef=True):
@@ -377,7 +379,7 @@ def w_hsdp_hook(wire, steps=2, ef=True):
     live = comp.state_dict()["residuals"]
     restored = all(torch.equal(v, live[k]) for k, v in sd["residuals"].items())
     return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats(),
-            "keys": sorted(sd["residuals"]), "restored": restored}
+            "keys": sorted(sd["residuals"]), "restored": restored, "layouts": _layouts(net, comp)}
 
 
 def w_nonfinite():
@@ -394,6 +396,33 @@ def w_nonfinite():
     out = torch.empty(4)
     c(out, inp, g, dist.ReduceOp.SUM)
     return {"residual": c.residual.clone(), "out": out}
+
+
+def int8_direct_input(rank, ws, s):
+    """Rank ``rank``'s input for :func:`w_int8_direct` (``[ws * s]`` fp32), rebuilt by the test:
+    chunk 0's second segment zero on every rank (a zero segment), rank 0's chunk 1 with an inf
+    in its first segment, a large value in every chunk's short last segment."""
+    from xirang.fsdp import SEGMENT
+
+    g = torch.Generator().manual_seed(4242 + rank)
+    x = torch.randn(ws, s, generator=g) * (rank + 1)
+    x[0, SEGMENT:2 * SEGMENT] = 0
+    x[:, -5] = 40.0 * (rank + 1)
+    if rank == 0:
+        x[1, 3] = float("inf")
+    return x.reshape(-1)
+
+
+def w_int8_direct(s):
+    """One int8 + EF reduce-scatter through a comm called directly, chunks of ``s`` elements."""
+    from xirang.fsdp import XirangReduceScatter
+
+    g = mp_pool.group()
+    ws = dist.get_world_size(g)
+    c = XirangReduceScatter("direct", None, "int8", True, torch.float32, None)
+    out = torch.empty(s)
+    c(out, int8_direct_input(_rank(), ws, s), g, dist.ReduceOp.SUM)
+    return {"out": out, "residual": c.residual.clone(), "bytes_wire": c.bytes_wire_last, "bytes_raw": c.bytes_raw_last}
 
 
 # ====================================================================== test side
@@ -422,6 +451,43 @@ def _unpad(vec, layout, ws):
         off += c * inner
     assert off == rows.shape[1], "layout does not cover the residual"
     return parts, torch.cat(pads) if pads else torch.zeros(0)
+
+
+def _pad(grads, layout, ws):
+    """The inverse of :func:`_unpad`: name -> param-shaped tensor -> FSDP's padded [ws * shard]
+    layout (fp64, zeros in the padding)."""
+    rows = [[] for _ in range(ws)]
+    for name, shape in layout:
+        d0, inner = shape[0], math.prod(shape[1:])
+        c = -(-d0 // ws)
+        full = torch.zeros(ws * c, inner, dtype=torch.float64)
+        full[:d0] = grads[name].double().reshape(d0, inner)
+        for j in range(ws):
+            rows[j].append(full[j * c:(j + 1) * c].reshape(-1))
+    return torch.cat([torch.cat(r) for r in rows])
+
+
+def _seg_scales(rows, seg):
+    """[ws, s] fp64 chunks -> per element its segment's absmax (finite values) / 127, [ws, s]:
+    segments of ``seg`` elements from each chunk's start (the last one short)."""
+    ws, s = rows.shape
+    out = torch.empty_like(rows)
+    for a in range(0, s, seg):
+        blk = rows[:, a:a + seg]
+        fin = torch.where(torch.isfinite(blk), blk.abs(), torch.zeros_like(blk))
+        out[:, a:a + seg] = (fin.amax(dim=1, keepdim=True) / 127).expand_as(blk)
+    return out
+
+
+def _int8_bound(per_rank, layout, ws, seg):
+    """name -> the int8 bound of the mean's error at a step whose residual is 0:
+    sum over ranks of (the element's segment scale / 2), / ws."""
+    acc = None
+    for g in per_rank:
+        sc = _seg_scales(_pad(g, layout, ws).view(ws, -1), seg).reshape(-1) / 2
+        acc = sc if acc is None else acc + sc
+    parts, _ = _unpad(acc / ws, layout, ws)
+    return parts
 
 
 @pytest.mark.parametrize("ws", [2, 3])
@@ -498,15 +564,16 @@ def test_padding_never_leaks(pool, ws):
 
 
 @pytest.mark.parametrize("ws", [3])
-def test_error_feedback_telescopes(pool, ws):
-    """Over T steps: sum_t m_t - sum_t a_t == mean_r e_r (the residuals now), where m_t is the true
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_error_feedback_telescopes(pool, ws, wire):
+    """Over T steps (``wire`` + error feedback): sum_t m_t - sum_t a_t == mean_r e_r (the residuals now), where m_t is the true
     mean gradient (fp64, unsharded), a_t the applied gradient (what the owners decoded and
     averaged), e_r rank r's residual. Both sides in fp64; the tolerance, 1e-5 of the largest
     |m_t| element over the steps, leaves room for the fp32 arithmetic of T steps (gradients
     computed and summed in fp32: ~2^-24 each) but not for one lost or double-counted bf16
-    rounding (~2^-9 of a gradient)."""
+    rounding (~2^-9 of a gradient; an int8 rounding is up to half a segment's scale, larger)."""
     T = 100
-    res = pool.run(w_telescoping, T, timeout=120)
+    res = pool.run(w_telescoping, T, wire=wire, timeout=120)
     ref_sum, scale = {}, 0.0
     for t in range(T):
         m, _ = ref_grads(ws, t)
@@ -642,10 +709,13 @@ def test_async_op_returns_work(pool, ws):
 
 
 @pytest.mark.parametrize("ws", [4])
-@pytest.mark.parametrize("wire", ["bf16"])
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
 def test_hsdp_2x2(pool, ws, wire):
     """HSDP: reduce-scatter over the shard dimension through xirang (divided by shard x replicate),
-    FSDP's all-reduce over the replicas sums: the mean over all 4 ranks' batches."""
+    FSDP's all-reduce over the replicas sums: the mean over all 4 ranks' batches (int8: within
+    the scale bound of the 4 ranks, each rank's segments over its shard-dimension layout)."""
+    from xirang.fsdp import SEGMENT
+
     steps = 2
     res = pool.run(w_hsdp, wire, steps, timeout=90)
     assert res[0]["sizes"] == (2, 2)
@@ -653,24 +723,36 @@ def test_hsdp_2x2(pool, ws, wire):
     for t in range(steps):
         want, per_rank = ref_grads(ws, t)
         scale = abs_scale(per_rank, ws)
+        if wire == "int8":  # _int8_bound divides by its ws (the shard size, 2): / 2 more for 4 ranks
+            bound = {}
+            for lay in res[0]["layouts"].values():
+                bound.update({n: b / 2 for n, b in _int8_bound(per_rank, lay, 2, SEGMENT).items()})
         for r, out in enumerate(res):
             for n, g in out["grads"][t].items():
                 if wire == "fp32":
                     _assert_close(g, want[n], 1e-5, 1e-6, f"step {t} rank {r} {n}")
+                elif wire == "int8":
+                    b = 1.01 * (bound[n] + (prev[n] if prev is not None else 0)) + 1e-6 * scale[n] + 1e-8
+                    err = (g.double() - want[n]).abs()
+                    assert bool((err <= b).all()), f"step {t} rank {r} {n}: max err {float(err.max()):.3e}"
                 else:
                     both = scale[n] + (prev[n] if prev is not None else 0)
                     _assert_close(g, want[n], 1.05 * BF16_REL, 1e-6, f"step {t} rank {r} {n}", both)
-        prev = scale
+        prev = bound if wire == "int8" else scale
     rb = res[0]["stats"]["totals"]["residual_bytes"]
     assert rb == 0 if wire == "fp32" else rb >= 4 * sum(v.numel() for v in want.values())
 
 
 @pytest.mark.parametrize("ws", [4])
-@pytest.mark.parametrize("wire,ef", [("fp32", True), ("bf16", True), ("bf16", False)], ids=["fp32", "bf16", "bf16-noef"])
+@pytest.mark.parametrize("wire,ef", [("fp32", True), ("bf16", True), ("bf16", False), ("int8", True)],
+                         ids=["fp32", "bf16", "bf16-noef", "int8"])
 def test_hsdp_replicate_hook_2x2(pool, ws, wire, ef):
     """HSDP through compress(replicate_group=...): the shard reduce-scatter divides by 2, the
-    all-reduce hook averages over the 2 replicas (bf16 error feedback for wire bf16): the mean
-    over all 4 ranks' batches, from replica 0's parameters."""
+    all-reduce hook averages over the 2 replicas (bf16 error feedback for wire bf16; int8: the
+    replicate all-reduce uncompressed): the mean over all 4 ranks' batches, from replica 0's
+    parameters."""
+    from xirang.fsdp import SEGMENT
+
     steps = 2
     res = pool.run(w_hsdp_hook, wire, steps, ef=ef, timeout=90)
     assert res[0]["sizes"] == (2, 2)
@@ -678,14 +760,22 @@ def test_hsdp_replicate_hook_2x2(pool, ws, wire, ef):
     for t in range(steps):
         want, per_rank = ref_grads(ws, t)
         scale = abs_scale(per_rank, ws)
+        if wire == "int8":  # the 4 ranks' scale bound over the shard layout (see test_hsdp_2x2)
+            bound = {}
+            for lay in res[0]["layouts"].values():
+                bound.update({n: b / 2 for n, b in _int8_bound(per_rank, lay, 2, SEGMENT).items()})
         for r, out in enumerate(res):
             for n, g in out["grads"][t].items():
                 if wire == "fp32":
                     _assert_close(g, want[n], 1e-5, 1e-6, f"step {t} rank {r} {n}")
+                elif wire == "int8":
+                    b = 1.01 * (bound[n] + (prev[n] if prev is not None else 0)) + 1e-6 * scale[n] + 1e-8
+                    err = (g.double() - want[n]).abs()
+                    assert bool((err <= b).all()), f"step {t} rank {r} {n}: max err {float(err.max()):.3e}"
                 else:  # two roundings (reduce-scatter, replicate all-reduce), each with its residual
                     both = scale[n] + (prev[n] if prev is not None else 0)
                     _assert_close(g, want[n], 2.1 * BF16_REL, 1e-6, f"step {t} rank {r} {n}", both)
-        prev = scale
+        prev = bound if wire == "int8" else scale
     tot = res[0]["stats"]["totals"]
     if wire == "bf16":
         assert tot["replicate_bytes_wire_per_step"] * 2 == tot["replicate_bytes_raw_per_step"] > 0
@@ -695,6 +785,9 @@ def test_hsdp_replicate_hook_2x2(pool, ws, wire, ef):
         assert (tot["residual_bytes"] > 0) == ef
     else:
         assert tot["replicate_bytes_wire_per_step"] == tot["replicate_bytes_raw_per_step"] > 0
+    if wire == "int8":  # reduce-scatter residuals only, checkpointed
+        for out in res:
+            assert out["keys"] and not any(k.endswith(".replicate") for k in out["keys"]) and out["restored"]
 
 
 @pytest.mark.parametrize("ws", [2])
@@ -709,11 +802,145 @@ def test_nonfinite_does_not_poison_the_residual(pool, ws):
         assert torch.equal(out["out"][2:], torch.ones(2)), out["out"]
 
 
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("rdt", [torch.float32, torch.bfloat16], ids=["fp32-res", "bf16-res"])
+def test_int8_gradients_within_the_scale_bound(pool, ws, rdt):
+    """int8 + EF, two steps: at step 0 (residual 0) every element of the applied mean within
+    B_0 = sum_r scale_r / 2 / ws of the fp64 mean, the scales recomputed here from the ranks' fp64
+    gradients in FSDP's padded layout; at step 1 within B_0 + B_1 (the residual fed back, the
+    new rounding; 1% for the residual's share of the scale and a bf16 residual's rounding);
+    wire bytes = (ws-1) x (s + 4 ceil(s / SEGMENT)) per group; FSDP's padding stays 0 in the residual."""
+    from xirang.fsdp import SEGMENT
+
+    res = pool.run(w_grads, "int8", True, steps=2, residual_dtype=rdt)
+    st = res[0]["stats"]
+    for grp in st["groups"]:
+        lay = res[0]["layouts"][grp["name"]]
+        s = sum(-(-sh[0] // ws) * math.prod(sh[1:]) for _, sh in lay)
+        assert grp["bytes_wire_last"] == (ws - 1) * (s + 4 * (-(-s // SEGMENT))), grp
+        assert grp["bytes_raw_last"] == (ws - 1) * s * 4, grp
+        assert grp["residual_bytes"] == (4 if rdt == torch.float32 else 2) * ws * s, grp
+    for r, out in enumerate(res):
+        for name, vec in out["residuals"].items():
+            assert vec.dtype == rdt
+            parts, pads = _unpad(vec, out["layouts"][name], ws)
+            assert int(torch.count_nonzero(pads)) == 0, f"rank {r} {name}: padding in the residual"
+    worst, prev = 0.0, None
+    for t in range(2):
+        want, per_rank = ref_grads(ws, t)
+        scale = abs_scale(per_rank, ws)
+        bound = {}
+        for lay in res[0]["layouts"].values():
+            bound.update(_int8_bound(per_rank, lay, ws, SEGMENT))
+        for r, out in enumerate(res):
+            for n, g in out["grads"][t].items():
+                err = (g.double() - want[n]).abs()
+                b = (1.001 if prev is None else 1.01) * (bound[n] + (0 if prev is None else prev[n]))
+                b = b + 1e-6 * scale[n] + 1e-8  # + the fp32 gradients' own error
+                assert bool((err <= b).all()), \
+                    f"step {t} rank {r} {n}: max err {float(err.max()):.3e}, bound {float(b.max()):.3e}"
+                worst = max(worst, float((err / b).max()))
+        prev = bound
+    assert worst > 0.05, f"errors far below the int8 bound ({worst:.3f}): is it quantizing?"
+
+
+@pytest.mark.parametrize("ws", [2])
+@pytest.mark.parametrize("mp_bf16", [False, True], ids=["fp32", "bf16-mp"])
+def test_int8_list_form_divide_factor(pool, ws, mp_bf16):
+    """int8 with the list form and a divide factor f: sum / f within sum_r scale_r / 2 / f; with
+    a bf16 reduce dtype the output is rounded once more (and forward/backward run in bf16 on both
+    sides: the reference is the unsharded model in bf16)."""
+    from xirang.fsdp import SEGMENT
+
+    f = 5.0
+    res = pool.run(w_grads, "int8", True, form="list", factor=f, mp_bf16=mp_bf16)
+    want, per_rank = ref_grads(ws, 0, dtype=torch.bfloat16 if mp_bf16 else torch.float64, factor=f)
+    scale = abs_scale(per_rank, ws, f)
+    bound = {}
+    for lay in res[0]["layouts"].values():
+        bound.update({n: b * ws / f for n, b in _int8_bound(per_rank, lay, ws, SEGMENT).items()})
+    rtol = 4 * BF16_REL if mp_bf16 else 1e-6
+    for r, out in enumerate(res):
+        for n, g in out["grads"][0].items():
+            assert g.dtype == torch.float32
+            err = (g.double() - want[n]).abs()
+            b = 1.001 * bound[n] + rtol * (scale[n] + bound[n]) + 1e-6
+            assert bool((err <= b).all()), f"rank {r} {n}: max err {float(err.max()):.3e}"
+
+@pytest.mark.parametrize("ws", [2])
+@pytest.mark.parametrize("s", [2 * 1024 + 300, 37])
+def test_int8_segments_short_zero_nonfinite(pool, ws, s):
+    """A direct int8 + EF reduce-scatter, chunks of s elements (3 segments, the last short; one
+    short segment): the output is mean_r(x_r - e_r) (what the sender's residual says the owner
+    decoded), within the scale bound of mean_r x_r; a zero segment is exactly 0 with zero
+    residual; an inf reaches the owner as NaN, its residual is 0, and its segment's other
+    elements keep the finite scale."""
+    from xirang.fsdp import SEGMENT
+
+    res = pool.run(w_int8_direct, s)
+    xs = [int8_direct_input(r, ws, s).double() for r in range(ws)]
+    scales = [_seg_scales(x.view(ws, s), SEGMENT) for x in xs]
+    nseg = -(-s // SEGMENT)
+    for r, out in enumerate(res):
+        assert out["bytes_wire"] == (ws - 1) * (s + 4 * nseg) and out["bytes_raw"] == (ws - 1) * s * 4, out
+        e = out["residual"].double().view(ws, s)
+        assert bool((e.abs() <= scales[r] / 2 * (1 + 1e-6)).all()), "residual above half a scale"
+        if r == 0:
+            assert e[1, 3] == 0, "residual of the inf element"
+        if s > SEGMENT:
+            assert int(torch.count_nonzero(e[0, SEGMENT:2 * SEGMENT])) == 0
+        got = out["out"].double()
+        mean = sum(x.view(ws, s)[r] for x in xs) / ws
+        bound = sum(sc[r] for sc in scales) / 2 / ws
+        fin = torch.isfinite(mean)
+        if r == 1:
+            assert bool(torch.isnan(got[3])) and int((~fin).sum()) == 1 and not bool(fin[3])
+            assert float(scales[0][1, 0]) < 1.0, "the inf entered the reference scale"
+        assert bool(torch.isfinite(got[fin]).all())
+        err = (got - mean)[fin].abs()
+        assert bool((err <= bound[fin] * 1.001 + 1e-7).all()), f"rank {r}: max err {float(err.max()):.3e}"
+        assert float(err.max()) > 0.05 * float(bound.max()), "no quantization error at all"
+        decoded = sum(xs[q].view(ws, s)[r] - res[q]["residual"].double().view(ws, s)[r] for q in range(ws)) / ws
+        assert bool(((got - decoded)[fin].abs() <= 1e-6 * (decoded[fin].abs() + 1)).all()), "owner != x - e"
+        if r == 0 and s > SEGMENT:
+            assert torch.equal(got[SEGMENT:2 * SEGMENT], torch.zeros(SEGMENT, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_int8_error_feedback_on_off(pool, ws):
+    """Constant gradients for T steps, int8: without error feedback every step applies the same
+    quantized mean (the running sum's error grows as T); with it the running sum stays within
+    the one-step scale bound (the residual now)."""
+    from xirang.fsdp import SEGMENT
+
+    T = 16
+    on = pool.run(w_fixed_batch, True, T, wire="int8")
+    off = pool.run(w_fixed_batch, False, T, wire="int8")
+    m, per_rank = ref_grads(ws, 0)
+    scale = abs_scale(per_rank, ws)
+    bound = {}
+    for lay in on[0]["layouts"].values():
+        bound.update(_int8_bound(per_rank, lay, ws, SEGMENT))
+    assert off[0]["stats"]["totals"]["residual_bytes"] == 0 < on[0]["stats"]["totals"]["residual_bytes"]
+    err_on = err_off = 0.0
+    for n in m:
+        b = 1.05 * bound[n] + 1e-6 * scale[n] + 1e-8
+        for t in range(1, T):
+            assert torch.equal(off[0]["grads"][t][n], off[0]["grads"][0][n])
+        s_on = sum(g[n].double() for g in on[0]["grads"])
+        s_off = sum(g[n].double() for g in off[0]["grads"])
+        e_on = float(((s_on - T * m[n]).abs() / b).max())
+        e_off = float(((s_off - T * m[n]).abs() / b).max())
+        assert e_on <= 1.0, f"{n}: EF on, running-sum error {e_on:.3f} x the bound"
+        err_on, err_off = max(err_on, e_on), max(err_off, e_off)
+    assert err_off > 4 * err_on, (err_on, err_off)
+
+
 def test_compress_rejects_bad_arguments():
     import xirang
 
     with pytest.raises(ValueError, match="wire must be one of"):
-        xirang.fsdp.compress(nn.Linear(2, 2), wire="int8")
+        xirang.fsdp.compress(nn.Linear(2, 2), wire="fp8")
     with pytest.raises(ValueError, match="residual_dtype"):
         xirang.fsdp.compress(nn.Linear(2, 2), residual_dtype=torch.float16)
     with pytest.raises(ValueError, match="no FSDP module"):
