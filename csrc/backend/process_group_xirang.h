@@ -123,6 +123,8 @@ class ProcessGroupXirang : public c10d::Backend {
   bool recordsOn() const { return records_->on(); }
   std::vector<int> ringOrder() { return membership().ring; }
   std::string address() const { return membership_->address(); }
+  // The ranks of this rank's shared-memory domain (ascending; empty: every byte over TCP).
+  std::vector<int> shmRanks() const { return membership_->shmRanks(); }
   uint64_t sequenceNumber() const { return queue_->seq(); }
 
   // Elastic mode. membership(): the current epoch, live ranks and last recovery.
