@@ -53,7 +53,7 @@ transport::ShmDomain* oneHost(const Comm& comm) {
 
 void allgatherBlocks(const Comm& comm, const OpCtx& ctx, const std::vector<RecvSeg>& blocks) {
   if (auto* d = oneHost(comm)) return shm::allgather(comm, *d, ctx, blocks);
-  allgatherBlocks(comm, ctx, blocks);
+  xirang::allgather(comm, ctx, blocks);
 }
 
 }  // namespace
