@@ -505,7 +505,12 @@ void ShmDomain::waitFor(int index, uint32_t count, Deadline deadline, const char
     }
     return false;
   };
-  if (health()) return;
+  // The peers' processes and the liveness callback (TCP's peerGone: store round trips, 100s of
+  // microseconds) are checked once a slice has passed, not before the first sleep: a wait that
+  // ends within a slice does not pay for them. An abort or interrupt already recorded is seen now.
+  if ((interrupted_.load() || std::atomic_ref<uint32_t>(header().abort_state).load(std::memory_order_acquire) != 0) &&
+      health())
+    return;
   auto checked = Clock::now();
   for (;;) {
     const auto now = Clock::now();
