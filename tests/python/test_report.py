@@ -216,7 +216,7 @@ def close(a, b):
 def test_records_add_up_ring(ws, tmp_path):
     d = str(tmp_path / "stats")
     iters = 3
-    res = run_pool(ws, d, w_allreduce, MIB_NUMEL, iters, env={"XIRANG_ALGO": "ring"})
+    res = run_pool(ws, d, w_allreduce, MIB_NUMEL, iters, env={"XIRANG_ALGO": "ring", "XIRANG_TRANSPORT_LOCAL": "tcp"})
     payload = MIB_NUMEL * 4
     lines = read_jsonl(d)
     for rank, r in enumerate(res):
@@ -298,7 +298,7 @@ def test_records_add_up_ring(ws, tmp_path):
 def test_slow_rank_is_named(ws, slow, tmp_path):
     d = str(tmp_path / "stats")
     iters = 4
-    run_pool(ws, d, w_allreduce, MIB_NUMEL, iters, env={"XIRANG_ALGO": "ring"},
+    run_pool(ws, d, w_allreduce, MIB_NUMEL, iters, env={"XIRANG_ALGO": "ring", "XIRANG_TRANSPORT_LOCAL": "tcp"},
              delay_rank=slow, delay_ms=200, timeout=120)
     lines = read_jsonl(d)
     from xirang import report
