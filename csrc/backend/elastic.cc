@@ -84,7 +84,8 @@ std::shared_ptr<transport::ShmDomain> Membership::makeShm(const std::vector<int>
   if (local.size() < 2) return nullptr;  // alone on its host: nothing to share
   const std::string who = "ranks " + rankList(local) + " on host '" + host + "' of group '" + cfg_.group_name + "'";
   transport::ShmOptions o;
-  o.key_prefix = key_ns_ + "/shm/" + std::to_string(epoch);
+  // One domain per host: the lowest local rank names it (hosts set theirs up concurrently).
+  o.key_prefix = key_ns_ + "/shm/" + std::to_string(epoch) + "/" + std::to_string(local.front());
   // The TCP control path tells a waiter that a peer left or died (its exit record, its closed
   // connection or listener) where the domain's own process checks cannot (another pid namespace).
   std::weak_ptr<transport::Tcp> weak = tcp;

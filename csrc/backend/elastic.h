@@ -143,7 +143,7 @@ class Membership {
   // The shared-memory domain of epoch `epoch` for the ranks of `members` on this rank's host
   // (cfg.hosts labels), or null: XIRANG_TRANSPORT_LOCAL=tcp, fewer than two such ranks, or (auto)
   // ShmDomain::create found shared memory unavailable (one INFO line says why). Collective over
-  // those ranks; store keys under key_ns + "/shm/<epoch>"; a peer's death is also learnt from
+  // those ranks; store keys under key_ns + "/shm/<epoch>/<lowest local rank>"; a peer's death is also learnt from
   // `tcp`'s peerGone. Throws c10::Error naming the rank (shm: unavailable; a local rank missing
   // the group timeout; a bad XIRANG_SHM_BYTES).
   std::shared_ptr<transport::ShmDomain> makeShm(const std::vector<int>& members, uint64_t epoch,

@@ -357,7 +357,8 @@ def test_exposed_wait(tmp_path):
 def test_hook_steps_and_labels(tmp_path):
     d = str(tmp_path / "stats")
     steps, lpg = 3, 2
-    res = run_pool(2, d, w_hook, steps, lpg, timeout=180)
+    # the BF16 ring (over shared memory the hook's op is fp32: test_shm.py)
+    res = run_pool(2, d, w_hook, steps, lpg, env={"XIRANG_TRANSPORT_LOCAL": "tcp"}, timeout=180)
     layers = res[0]["layers"]
     assert len(layers) == 3
     hook = [x for x in res[0]["records"] if x["group_id"] >= 0]

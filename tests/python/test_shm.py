@@ -146,6 +146,31 @@ def w_init_destroy(cycles):
     return dict(fds=fds, segs=segs, chosen=chosen)
 
 
+def w_two_hosts(mode):
+    """2 labelled hosts x 2 ranks, the two-level allreduce: over shm the host level goes through
+    each host's domain, the cross-host level over TCP."""
+    import xirang
+    import xirang._backend
+
+    r = mp_pool.W.rank
+    os.environ["XIRANG_HOST"] = f"fakehost{r // 2}"
+    os.environ["XIRANG_TRANSPORT_LOCAL"] = mode
+    try:
+        dist.init_process_group("xirang", store=dist.PrefixStore(f"twohosts-{mode}", mp_pool.W.store), rank=r,
+                                world_size=mp_pool.W.world_size, timeout=datetime.timedelta(seconds=30),
+                                pg_options=xirang.Options(algorithm="two_level"))
+    finally:
+        del os.environ["XIRANG_HOST"], os.environ["XIRANG_TRANSPORT_LOCAL"]
+    be = xirang._backend.backend_for()
+    t = make_input(r, 300_001, "float32", "SUM", "2h")
+    dist.all_reduce(t)
+    rec = be.records()[-1]
+    out = dict(t=t, shm_ranks=list(be.shm_ranks), algorithm=rec["algorithm"], bytes_shm=rec["bytes_shm"],
+               bytes_tcp=rec["bytes_tcp"])
+    dist.destroy_process_group()
+    return out
+
+
 # ====================================================================== tests
 _RESULTS: dict = {}
 
@@ -298,3 +323,17 @@ def test_init_destroy_loop_leaves_fds_and_dev_shm_flat(backend):
         assert all(c == ([0, 1], 3.0) for c in d["chosen"]), (r, d["chosen"])  # auto picked shm every time
         assert d["fds"][-1] == d["fds"][1], f"rank {r}: open fds grew over 20 cycles: {d['fds']}"
         assert max(d["segs"]) <= before, f"rank {r}: /dev/shm grew: {d['segs']} (before: {before})"
+
+
+@pytest.mark.dedicated
+def test_two_hosts_two_level_host_level_over_shm(backend):
+    with mp_pool.Pool(4, "xirang", timeout_s=60, init=False) as pool:
+        got = {mode: pool.run(w_two_hosts, mode, timeout=90) for mode in ("shm", "tcp")}
+    inputs = [make_input(q, 300_001, "float32", "SUM", "2h") for q in range(4)]
+    for r in range(4):
+        s, t = got["shm"][r], got["tcp"][r]
+        assert s["shm_ranks"] == ([0, 1] if r < 2 else [2, 3]), s["shm_ranks"]
+        assert s["algorithm"] == "shm_two_level" and s["bytes_shm"] > 0 and s["bytes_tcp"] > 0, s
+        assert t["shm_ranks"] == [] and t["algorithm"] == "two_level" and t["bytes_shm"] == 0, t
+        assert bitwise_equal(s["t"], t["t"]), f"rank {r}: two-level over shm differs from TCP"
+        assert_reduced(s["t"], inputs, "SUM", strict16=True, what=f"two hosts rank {r}")

@@ -257,7 +257,9 @@ def test_two_level_cross_host_bytes(two_level_job, dtype):
 # ============================================================================================
 @pytest.fixture(scope="module")
 def degenerate_job():
-    results, logs = run_job(4, "degenerate", lambda r: {}, common_env={"XIRANG_DEBUG": "INFO"})
+    # the TCP engine's choice (same-host ranks over shared memory report shm_*: test_shm.py)
+    results, logs = run_job(4, "degenerate", lambda r: {}, common_env={"XIRANG_DEBUG": "INFO",
+                                                                      "XIRANG_TRANSPORT_LOCAL": "tcp"})
     return results, logs
 
 
