@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Allreduce benchmark: xirang vs gloo vs raw TCP, in the same processes, nccl-tests style.
+"""Allreduce benchmark: xirang (TCP and shared memory) vs gloo vs raw TCP, in the same processes,
+nccl-tests style.
 
     python3 benchmarks/allreduce.py                       # WS 2 and 4, 4 KiB .. 256 MiB, 15 reps
     python3 benchmarks/allreduce.py --ws 2 --sizes 64K-64M --reps 15 --markdown
     XIRANG_SEGMENT_BYTES=262144 python3 benchmarks/allreduce.py --ws 2 --sizes 16M,64M
 
 One self-spawning job per world size (torch.multiprocessing, spawn). Each rank sets
-torch.set_num_threads(1), creates a xirang default group and a gloo group
-(dist.new_group(backend="gloo")) plus a raw TCP ring (connect to rank+1, accept from rank-1;
+torch.set_num_threads(1), creates a xirang default group with XIRANG_TRANSPORT_LOCAL=tcp, a
+second xirang group with XIRANG_TRANSPORT_LOCAL=shm (the ranks' shared-memory domain; skipped
+with --no-shm) and a gloo group (dist.new_group(backend="gloo")) plus a raw TCP ring (connect to rank+1, accept from rank-1;
 for WS=2 that is one connection each way between the two processes), and for every size
-runs warmup, then `--reps` repetitions in which xirang, gloo and raw TCP take turns (the
+runs warmup, then `--reps` repetitions in which xirang, xirang-shm, gloo and raw TCP take turns (the
 order rotates every repetition). A repetition is `iters` back-to-back ops (more for small
 sizes, so a repetition lasts long enough to time); its time is the slowest rank's.
 
@@ -21,6 +23,14 @@ Columns (1e9 B/s, like nccl-tests):
            rank-1 (a thread sends, the main thread receives); GB/s of bytes sent per rank, so
            it compares directly with busbw. It moves bytes only (no reduction, no copy).
     x/g    xirang busbw / gloo busbw;   x/ceil  xirang busbw / ceiling
+    shm    xirang over shared memory (XIRANG_TRANSPORT_LOCAL=shm): time, busbw; s/x = shm busbw /
+           xirang (TCP) busbw, s/g = shm busbw / gloo busbw
+    copy   torch copy_ of the buffer into another one on rank 0, measured in the same run (GB/s of
+           bytes copied = read + write of `bytes` each): what one memory copy of the message
+           costs; s/copy = shm algbw / copy bandwidth (shm reads every input once and writes
+           and reads the results: below 1 by construction)
+After the table: the CPU a rank burns while it waits in an allreduce for a late peer (rank 0
+enters 2 s late), per transport, as % of one core.
 XIRANG_* knobs set in the environment reach the ranks (e.g. XIRANG_SEGMENT_BYTES,
 XIRANG_SMALL_BYTES, XIRANG_ALGO=ring|direct).
 """
@@ -159,8 +169,12 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, ws, rank == 0, timeout=datetime.timedelta(seconds=60))
         timeout = datetime.timedelta(seconds=cfg["op_timeout"])
+        os.environ["XIRANG_TRANSPORT_LOCAL"] = "tcp"  # read when a group is created
         dist.init_process_group("xirang", store=store, rank=rank, world_size=ws, timeout=timeout)
         groups = {"xirang": dist.group.WORLD, "gloo": dist.new_group(backend="gloo", timeout=timeout)}
+        if cfg["shm"]:
+            os.environ["XIRANG_TRANSPORT_LOCAL"] = "shm"
+            groups["shm"] = dist.new_group(backend="xirang", timeout=timeout)
         gloo = groups["gloo"]
         ring = RawRing(store, rank, ws, "rawtcp") if cfg["ceiling"] else None
         dtype = getattr(torch, cfg["dtype"])
@@ -177,6 +191,10 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
             if kind == "tcp":
                 for _ in range(iters):
                     ring.exchange(raw_bytes)
+            elif kind == "copy":  # rank 0 copies; the others only keep the rhythm
+                if rank == 0:
+                    for _ in range(iters):
+                        copy_dst.copy_(t)
             else:
                 g = groups[kind]
                 for _ in range(iters):
@@ -189,10 +207,12 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
             nbytes = n * esize
             iters = cfg["iters"] or max(1, min(50, TARGET_LOOP_BYTES // nbytes))
             t = torch.empty(n, dtype=dtype)
+            copy_dst = torch.empty_like(t)
             raw_bytes = int(round(busfac * nbytes))
-            kinds = ["xirang", "gloo"] + (["tcp"] if ring else [])
+            colls = ["xirang"] + (["shm"] if cfg["shm"] else []) + ["gloo"]
+            kinds = colls + (["tcp"] if ring else []) + ["copy"]
             # correctness spot check, then warmup (zeros keep repeated sums finite and exact)
-            for k in ("xirang", "gloo"):
+            for k in colls:
                 t.fill_(rank + 1)
                 dist.all_reduce(t, group=groups[k])
                 want = ws * (ws + 1) / 2
@@ -222,6 +242,8 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
                         row["ceil_gbps"] = raw_bytes / med / 1e9
                         row["ceil_time_us"] = med * 1e6
                         row["ceil_iqr_us"] = (qs[2] - qs[0]) * 1e6
+                    elif k == "copy":
+                        row["copy_gbps"] = nbytes / med / 1e9
                     else:
                         algbw = nbytes / med / 1e9
                         row[k] = {"time_us": med * 1e6, "iqr_us": (qs[2] - qs[0]) * 1e6,
@@ -245,6 +267,21 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
             del t
         if ring:
             ring.close()
+        # CPU of a waiting rank: every rank but 0 enters a small allreduce at once, rank 0 two
+        # seconds later; the waiters' process CPU time over their wait, in % of one core.
+        idle = {}
+        for k in [c for c in colls if c != "gloo"]:
+            x = torch.ones(1024)
+            sync()
+            if rank == 0:
+                time.sleep(2.0)
+            c0, w0 = time.process_time(), time.perf_counter()
+            dist.all_reduce(x, group=groups[k])
+            cpu = torch.tensor([100.0 * (time.process_time() - c0) / (time.perf_counter() - w0) if rank else 0.0])
+            dist.all_reduce(cpu, op=dist.ReduceOp.MAX, group=gloo)
+            idle[k] = round(cpu.item(), 1)
+        if rank == 0:
+            q.put(("info", {f"waiting_rank_cpu_pct_{k}": v for k, v in idle.items()}))
         dist.barrier(group=gloo)
         dist.destroy_process_group()
         q.put(("done", rank))
@@ -269,7 +306,8 @@ def run_ws(ws: int, cfg: dict, on_row) -> tuple[list, dict]:
 
 
 HDR = (f"{'size':>9} {'elements':>10} | {'xirang us':>10} {'iqr':>7} {'algbw':>6} {'busbw':>6} |"
-       f" {'gloo us':>10} {'iqr':>7} {'algbw':>6} {'busbw':>6} | {'ceil':>6} | {'x/g':>5} {'x/ceil':>6}")
+       f" {'gloo us':>10} {'iqr':>7} {'algbw':>6} {'busbw':>6} | {'ceil':>6} | {'x/g':>5} {'x/ceil':>6} |"
+       f" {'shm us':>9} {'busbw':>6} {'s/x':>6} {'s/g':>6} | {'copy':>6} {'s/copy':>6}")
 
 
 def fmt_row(r: dict) -> str:
@@ -279,20 +317,36 @@ def fmt_row(r: dict) -> str:
          f" {x['busbw']:>6.2f} | {g['time_us']:>10.1f} {g['iqr_us']:>7.1f} {g['algbw']:>6.2f} {g['busbw']:>6.2f} |")
     s += f" {ceil:>6.2f} |" if ceil else f" {'-':>6} |"
     s += f" {x['busbw'] / g['busbw']:>5.2f}"
-    s += f" {x['busbw'] / ceil:>6.2f}" if ceil else f" {'-':>6}"
+    s += f" {x['busbw'] / ceil:>6.2f} |" if ceil else f" {'-':>6} |"
+    m = r.get("shm")
+    if m:
+        s += (f" {m['time_us']:>9.1f} {m['busbw']:>6.2f} {m['busbw'] / x['busbw']:>6.2f}"
+              f" {m['busbw'] / g['busbw']:>6.2f} |")
+    else:
+        s += f" {'-':>9} {'-':>6} {'-':>6} {'-':>6} |"
+    c = r.get("copy_gbps")
+    s += f" {c:>6.2f} " + (f"{m['algbw'] / c:>6.2f}" if m else f"{'-':>6}")
     return s
 
 
 def markdown(rows: list) -> str:
     out = ["| WS | size | xirang time us (IQR) | xirang busbw | gloo time us (IQR) | gloo busbw | TCP ceiling"
-           " | xirang/gloo | xirang/ceiling |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           " | xirang/gloo | xirang/ceiling | shm time us (IQR) | shm busbw | shm/xirang | shm/gloo | copy_ GB/s"
+           " | shm algbw/copy |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        x, g, c = r["xirang"], r["gloo"], r.get("ceil_gbps")
-        out.append(f"| {r['ws']} | {fmt_bytes(r['bytes'])} | {x['time_us']:.1f} ({x['iqr_us']:.1f}) | {x['busbw']:.2f}"
-                   f" | {g['time_us']:.1f} ({g['iqr_us']:.1f}) | {g['busbw']:.2f} | "
-                   + (f"{c:.2f}" if c else "-") + f" | {x['busbw'] / g['busbw']:.2f} | "
-                   + (f"{x['busbw'] / c:.2f}" if c else "-") + " |")
+        x, g, c, m, cp = r["xirang"], r["gloo"], r.get("ceil_gbps"), r.get("shm"), r.get("copy_gbps")
+        line = (f"| {r['ws']} | {fmt_bytes(r['bytes'])} | {x['time_us']:.1f} ({x['iqr_us']:.1f}) | {x['busbw']:.2f}"
+                f" | {g['time_us']:.1f} ({g['iqr_us']:.1f}) | {g['busbw']:.2f} | "
+                + (f"{c:.2f}" if c else "-") + f" | {x['busbw'] / g['busbw']:.2f} | "
+                + (f"{x['busbw'] / c:.2f}" if c else "-") + " | ")
+        if m:
+            line += (f"{m['time_us']:.1f} ({m['iqr_us']:.1f}) | {m['busbw']:.2f} | {m['busbw'] / x['busbw']:.2f}"
+                     f" | {m['busbw'] / g['busbw']:.2f} | ")
+        else:
+            line += "- | - | - | - | "
+        line += (f"{cp:.2f}" if cp else "-") + " | " + (f"{m['algbw'] / cp:.2f}" if m and cp else "-") + " |"
+        out.append(line)
     return "\n".join(out)
 
 
@@ -308,6 +362,8 @@ def main(argv=None) -> int:
                     help="ops per repetition (default 0 = auto: up to 50 for small sizes, 1 from 4 MiB)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip the raw TCP ceiling")
+    ap.add_argument("--no-shm", dest="shm", action="store_false",
+                    help="skip the xirang group over shared memory (XIRANG_TRANSPORT_LOCAL=shm)")
     ap.add_argument("--timeout", type=float, default=1800, help="wall-clock bound per world size, seconds")
     ap.add_argument("--op-timeout", type=float, default=300, help="group timeout of both groups, seconds")
     ap.add_argument("--json", metavar="PATH", help="write rows, samples and machine info as JSON")
@@ -317,7 +373,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     cfg = {"sizes": parse_sizes(a.sizes), "reps": a.reps, "warmup": a.warmup, "iters": a.iters,
-           "dtype": a.dtype, "ceiling": a.ceiling, "timeout": a.timeout, "op_timeout": a.op_timeout}
+           "dtype": a.dtype, "ceiling": a.ceiling, "shm": a.shm, "timeout": a.timeout, "op_timeout": a.op_timeout}
     wss = [int(x) for x in a.ws.split(",") if x.strip()]
     if not wss or min(wss) < 2:
         ap.error("--ws: world sizes must be >= 2 (busbw is 0 at WS=1)")

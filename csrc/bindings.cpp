@@ -324,6 +324,9 @@ PYBIND11_MODULE(_C, m) {
          "storing them, JSON lines included), on (False: created with XIRANG_STATS=0).")
       .def_property_readonly("ring", &xirang::ProcessGroupXirang::ringOrder)
       .def_property_readonly("address", &xirang::ProcessGroupXirang::address)
+      .def_property_readonly("shm_ranks", &xirang::ProcessGroupXirang::shmRanks,
+                             "group ranks whose collectives go through this rank's shared-memory domain "
+                             "(XIRANG_TRANSPORT_LOCAL; empty: none)")
       .def_property_readonly("sequence_number", &xirang::ProcessGroupXirang::sequenceNumber)
       .def_property_readonly("elastic", &xirang::ProcessGroupXirang::elastic)
       .def_property_readonly("generation", &xirang::ProcessGroupXirang::generation,

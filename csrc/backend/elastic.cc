@@ -36,6 +36,9 @@ Membership::Membership(int rank, int size, const XirangConfig& cfg, std::shared_
       XR_CHECK(rank_, false, e.what());
     }
   }
+  local_mode_ = env::get("XIRANG_TRANSPORT_LOCAL");
+  TORCH_CHECK_VALUE(local_mode_ == "auto" || local_mode_ == "shm" || local_mode_ == "tcp", "xirang rank ", rank_,
+                    ": XIRANG_TRANSPORT_LOCAL must be auto, shm or tcp, got '", local_mode_, "'");
   try {
     if (!cfg_.join)  // a spare gets the transport of the epoch that admits it (join)
       tcp_ = std::make_shared<transport::Tcp>(rank_, size_, store_, transportOptions(key_ns_),
@@ -43,9 +46,11 @@ Membership::Membership(int rank, int size, const XirangConfig& cfg, std::shared_
   } catch (const std::exception& e) {
     XR_CHECK(rank_, false, "creating group '", cfg_.group_name, "' failed: ", e.what());
   }
-  comm_.link = tcp_.get();
-  comm_.rank = rank_;
   for (int r = 0; r < size_; ++r) live_.push_back(r);
+  if (!cfg_.join) shm_ = makeShm(live_, 0, tcp_);
+  comm_.link = tcp_.get();
+  comm_.shm = shm_.get();
+  comm_.rank = rank_;
   info_.live = live_;
   info_.ring = comm_.ring;
 }
@@ -59,6 +64,53 @@ transport::TcpOptions Membership::transportOptions(const std::string& key_prefix
   o.key_prefix = key_prefix;
   o.key = auth_key_;
   return o;
+}
+
+namespace {
+std::string rankList(const std::vector<int>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? " " : "") + std::to_string(ranks[i]);
+  return s + "]";
+}
+}  // namespace
+
+std::shared_ptr<transport::ShmDomain> Membership::makeShm(const std::vector<int>& members, uint64_t epoch,
+                                                          const std::shared_ptr<transport::Tcp>& tcp) const {
+  if (local_mode_ == "tcp" || static_cast<int>(cfg_.hosts.size()) != size_ || !tcp) return nullptr;
+  const std::string& host = cfg_.hosts[static_cast<size_t>(rank_)];
+  std::vector<int> local;
+  for (int r : members)
+    if (r >= 0 && r < size_ && cfg_.hosts[static_cast<size_t>(r)] == host) local.push_back(r);
+  if (local.size() < 2) return nullptr;  // alone on its host: nothing to share
+  const std::string who = "ranks " + rankList(local) + " on host '" + host + "' of group '" + cfg_.group_name + "'";
+  transport::ShmOptions o;
+  // One domain per host: the lowest local rank names it (hosts set theirs up concurrently).
+  o.key_prefix = key_ns_ + "/shm/" + std::to_string(epoch) + "/" + std::to_string(local.front());
+  // The TCP control path tells a waiter that a peer left or died (its exit record, its closed
+  // connection or listener) where the domain's own process checks cannot (another pid namespace).
+  std::weak_ptr<transport::Tcp> weak = tcp;
+  o.peer_gone = [weak](int peer) -> std::string {
+    auto t = weak.lock();
+    return t ? t->peerGone(peer) : std::string("the group's TCP transport is closed");
+  };
+  std::string unavailable;
+  try {
+    return std::shared_ptr<transport::ShmDomain>(
+        transport::ShmDomain::create(rank_, local, *store_, o, Clock::now() + cfg_.timeout));
+  } catch (const transport::ShmUnavailable& e) {
+    unavailable = e.what();
+  } catch (const std::exception& e) {
+    XR_CHECK(rank_, false, "creating the shared-memory domain of ", who, " failed: ", e.what());
+  }
+  XR_CHECK(rank_, local_mode_ != "shm", "XIRANG_TRANSPORT_LOCAL=shm, but shared memory cannot serve the ", who, ": ",
+           unavailable, " (XIRANG_TRANSPORT_LOCAL=auto falls back to TCP)");
+  env::log(env::Level::Info, rank_, "shared memory unavailable for the " + who + " (" + unavailable + "): using TCP");
+  return nullptr;
+}
+
+std::vector<int> Membership::shmRanks() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return shm_ ? shm_->ranks() : std::vector<int>{};
 }
 
 uint64_t Membership::start() {
@@ -97,14 +149,18 @@ void Membership::stopHeartbeat() {
 
 void Membership::close() {
   std::shared_ptr<transport::Tcp> tcp;
+  std::shared_ptr<transport::ShmDomain> shm;
   {
     std::lock_guard<std::mutex> g(mu_);
     tcp = tcp_;
+    shm = std::move(shm_);  // the communication thread has stopped: nobody waits on it
+    comm_.shm = nullptr;
   }
   if (tcp) {
     tcp->leave();  // a peer still waiting for this rank's connection fails now, not at its timeout
     tcp->close();
   }
+  shm.reset();  // unmaps (the segment was unlinked when it was created)
 }
 
 std::string Membership::address() const {
@@ -116,10 +172,13 @@ std::string Membership::address() const {
 // back into the group.
 void Membership::abort(const std::string& why) {
   std::shared_ptr<transport::Tcp> tcp;
+  std::shared_ptr<transport::ShmDomain> shm;
   {
     std::lock_guard<std::mutex> g(mu_);
     tcp = tcp_;
+    shm = shm_;
   }
+  if (shm) shm->abort(why);
   if (tcp) tcp->abort(why);
 }
 
@@ -239,6 +298,7 @@ void Membership::installEpoch(const elastic::Decision& d, const transport::Key12
   // Every member of the epoch can compute its group id (rank 0 may be gone): from its key.
   topts.group_id = transport::siphash24(key, "xirang-epoch-group", 18);
   auto fresh = std::make_shared<transport::Tcp>(rank_, size_, store_, topts, Clock::now() + cfg_.timeout);
+  std::shared_ptr<transport::ShmDomain> fresh_shm = makeShm(d.live, d.epoch, fresh);
   std::vector<int> base = cfg_.ring;
   if (base.empty())
     for (int r = 0; r < size_; ++r) base.push_back(r);
@@ -246,12 +306,16 @@ void Membership::installEpoch(const elastic::Decision& d, const transport::Key12
   for (int r : base)
     if (std::find(d.live.begin(), d.live.end(), r) != d.live.end()) ring.push_back(r);
   std::shared_ptr<transport::Tcp> old;
+  std::shared_ptr<transport::ShmDomain> old_shm;
   std::function<void()> cb;
   {
     std::lock_guard<std::mutex> g(mu_);
     old = std::move(tcp_);
     tcp_ = std::move(fresh);
+    old_shm = std::move(shm_);
+    shm_ = std::move(fresh_shm);
     comm_.link = tcp_.get();
+    comm_.shm = shm_.get();
     comm_.ring = ring;
     comm_.local_group.clear();  // the two-level plan assumed the old hosts: the ring from now on
     comm_.cross_group.clear();
@@ -272,6 +336,7 @@ void Membership::installEpoch(const elastic::Decision& d, const transport::Key12
     cb = callback_;
   }
   if (old) old->close();
+  old_shm.reset();
   if (cb) cb();
 }
 
@@ -294,6 +359,7 @@ elastic::Decision Membership::recover(const std::string& why) {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (tcp_) tcp_->interrupt("membership change: " + reason);
+    if (shm_) shm_->interrupt("membership change: " + reason);
   }
   env::log(env::Level::Warn, rank_, "epoch " + std::to_string(epoch) + " ended (" + reason + "); agreeing on the survivors");
   elastic::Report mine{done_seq_, issued_seq_.load()};
@@ -487,6 +553,7 @@ void Membership::heartbeatLoop() {
           if (epoch_.load() != epoch) continue;
           signal_ = true;
           if (tcp_) tcp_->interrupt("membership change reported in the store");
+          if (shm_) shm_->interrupt("membership change reported in the store");
         }
         cb_.wake();
       }
@@ -498,6 +565,7 @@ void Membership::heartbeatLoop() {
       {
         std::lock_guard<std::mutex> g(mu_);
         if (tcp_) tcp_->interrupt(msg);
+        if (shm_) shm_->interrupt(msg);
       }
       cb_.wake();
       return;

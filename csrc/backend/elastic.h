@@ -29,6 +29,7 @@
 #include "backend/config.h"
 #include "core/collectives.h"
 #include "core/membership.h"
+#include "core/transport/shm.h"
 #include "core/transport/tcp.h"
 
 namespace xirang {
@@ -66,8 +67,9 @@ class Membership {
   };
 
   // Reads the transport's knobs (XIRANG_SOCKET_IFNAME, XIRANG_HANDSHAKE_TIMEOUT_MS,
-  // XIRANG_AUTH_KEY_FILE) and, unless this process is a spare (cfg.join), opens the first
-  // epoch's transport. `comm`: the algorithms' configuration (ring order, sizes, two-level
+  // XIRANG_AUTH_KEY_FILE, XIRANG_TRANSPORT_LOCAL) and, unless this process is a spare
+  // (cfg.join), opens the first epoch's transport: TCP, and the shared-memory domain of this
+  // rank's same-host ranks (see makeShm). `comm`: the algorithms' configuration (ring order, sizes, two-level
   // plan). Throws c10::Error naming the rank and the group.
   Membership(int rank, int size, const XirangConfig& cfg, std::shared_ptr<transport::Store> store,
              std::string key_ns, Comm comm, Callbacks cb);
@@ -88,8 +90,12 @@ class Membership {
   // The algorithms' view (communication thread only).
   Comm& comm() { return comm_; }
   std::string address() const;
-  // Fails every connection: abort frames to the peers, the store's abort note.
+  // Fails every connection: abort frames to the peers, the store's abort note, the abort word
+  // of the shared-memory domain (its waiters in every local process wake up and throw).
   void abort(const std::string& why);
+  // The group ranks the current shared-memory domain holds (ascending; empty: none, every
+  // byte goes over TCP).
+  std::vector<int> shmRanks() const;
 
   // Whether a failure was reported and this rank has not joined the agreement yet; clearSignal()
   // drops it (a poisoned rank takes no part).
@@ -134,6 +140,14 @@ class Membership {
   std::string text(const elastic::Decision* d) const;
   MembershipChanged unavailable(const std::string& desc) const;
   transport::TcpOptions transportOptions(const std::string& key_prefix) const;
+  // The shared-memory domain of epoch `epoch` for the ranks of `members` on this rank's host
+  // (cfg.hosts labels), or null: XIRANG_TRANSPORT_LOCAL=tcp, fewer than two such ranks, or (auto)
+  // ShmDomain::create found shared memory unavailable (one INFO line says why). Collective over
+  // those ranks; store keys under key_ns + "/shm/<epoch>/<lowest local rank>"; a peer's death is also learnt from
+  // `tcp`'s peerGone. Throws c10::Error naming the rank (shm: unavailable; a local rank missing
+  // the group timeout; a bad XIRANG_SHM_BYTES).
+  std::shared_ptr<transport::ShmDomain> makeShm(const std::vector<int>& members, uint64_t epoch,
+                                                const std::shared_ptr<transport::Tcp>& tcp) const;
   // Agrees with the survivors on the next epoch and rebuilds the transport and ring. Throws
   // TransportError if this rank was declared dead or the store is unreachable.
   elastic::Decision recover(const std::string& why);
@@ -160,6 +174,8 @@ class Membership {
   // thread interrupts tcp_ and reads the ring under it).
   mutable std::mutex mu_;
   std::shared_ptr<transport::Tcp> tcp_;  // replaced per epoch
+  std::shared_ptr<transport::ShmDomain> shm_;  // likewise; null: none (comm_.shm mirrors it)
+  std::string local_mode_;               // XIRANG_TRANSPORT_LOCAL: auto, shm or tcp
   Comm comm_;
   std::vector<int> live_;
   std::vector<std::pair<uint64_t, uint64_t>> void_ranges_;  // (done_seq, fence] per decision

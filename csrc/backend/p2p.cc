@@ -71,7 +71,7 @@ c10::intrusive_ptr<WorkXirang> PointToPoint::post(bool is_send, int peer, int ta
       const auto end = Clock::now();
       rec.total_s = std::chrono::duration<double>(end - t0).count();
       rec.ok = err == nullptr;
-      if (is_send) rec.bytes_raw = rec.bytes_wire = err ? 0 : bytes;
+      if (is_send) rec.bytes_raw = rec.bytes_wire = rec.bytes_tcp = err ? 0 : bytes;  // p2p: always TCP
       if (!err)
         rec.peers.push_back({src, is_send ? rec.total_s : 0.0, is_send ? 0.0 : rec.total_s, is_send ? bytes : 0,
                              is_send ? 0 : bytes});

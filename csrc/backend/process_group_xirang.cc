@@ -88,11 +88,13 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
                                              std::move(comm),
                                              Membership::Callbacks{[this](const std::string& msg) { queue_->poison(msg); },
                                                                    [this] { queue_->wake(); }});
-  std::ostringstream ring;
+  std::ostringstream ring, shm;
   for (int r : membership_->info().ring) ring << r << " ";
+  for (int r : membership_->shmRanks()) shm << r << " ";
   env::log(env::Level::Info, rank,
            "group '" + cfg_.group_name + "' size " + std::to_string(size) + " address " + address() + " algorithm " +
-               algo + " ring [ " + ring.str() + "] codec " + codec::pathName(codec::activePath()));
+               algo + " ring [ " + ring.str() + "] shared memory [ " + shm.str() + "] codec " +
+               codec::pathName(codec::activePath()));
   records_->start();
   queue_ = std::make_unique<OpQueue>(rank, cfg_, *membership_, *records_);
   p2p_ = std::make_unique<PointToPoint>(rank, cfg_, *queue_, *membership_, *records_, engines_);

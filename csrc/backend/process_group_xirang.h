@@ -38,7 +38,9 @@ class ProcessGroupXirang : public c10d::Backend {
  public:
   // Connects nothing yet: the listener is opened and its address published to `store`;
   // connections to peers are made by the first operation that needs them.
-  // Throws c10::Error if the store times out or no address can be bound, std::invalid_argument
+  // Same-host ranks also get a shared-memory domain (XIRANG_TRANSPORT_LOCAL, elastic.h).
+  // Throws c10::Error if the store times out or no address can be bound, or (shm) shared memory
+  // cannot serve this rank's same-host ranks (naming them and why), std::invalid_argument
   // (Python ValueError) for a bad knob value.
   ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, XirangConfig cfg);
   ~ProcessGroupXirang() override;
@@ -123,6 +125,8 @@ class ProcessGroupXirang : public c10d::Backend {
   bool recordsOn() const { return records_->on(); }
   std::vector<int> ringOrder() { return membership().ring; }
   std::string address() const { return membership_->address(); }
+  // The ranks of this rank's shared-memory domain (ascending; empty: every byte over TCP).
+  std::vector<int> shmRanks() const { return membership_->shmRanks(); }
   uint64_t sequenceNumber() const { return queue_->seq(); }
 
   // Elastic mode. membership(): the current epoch, live ranks and last recovery.

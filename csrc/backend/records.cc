@@ -168,8 +168,11 @@ void Records::finish(OpRecord rec, const Phases& ph, bool ok, uint64_t raw_per_w
   rec.scatter_reduce_s = ph.scatter_reduce_s;
   rec.allgather_s = ph.allgather_s;
   rec.decode_s = ph.decode_s;
-  rec.bytes_wire = ph.bytes_sent;
-  rec.bytes_raw = ph.bytes_sent * raw_per_wire;
+  // Shared memory carries every dtype as it is (the hook's op over it is fp32: no compression).
+  rec.bytes_tcp = ph.bytes_sent;
+  rec.bytes_shm = ph.bytes_shm;
+  rec.bytes_wire = ph.bytes_sent + ph.bytes_shm;
+  rec.bytes_raw = ph.bytes_sent * raw_per_wire + ph.bytes_shm;
   rec.algorithm = ph.algorithm;
   rec.ok = ok;
   for (const auto& [peer, st] : ph.peers) {

@@ -63,6 +63,8 @@ struct WaitClock {
   X(uint64_t, numel, 0)                                                                               \
   X(uint64_t, bytes_raw, 0)                   /* payload this rank would send uncompressed */         \
   X(uint64_t, bytes_wire, 0)                  /* payload this rank sent (headers excluded) */         \
+  X(uint64_t, bytes_tcp, 0)                   /* of it, over TCP sockets */                           \
+  X(uint64_t, bytes_shm, 0)                   /* of it, written into shared memory (same host) */     \
   X(uint64_t, bytes_cross_host, 0)            /* of it, to ranks on another host */                   \
   X(uint64_t, bytes_cross_rack, 0)            /* of it, to ranks on another rack */                   \
   X(double, t_enqueue, 0)                     /* since the group was created */                       \

@@ -23,6 +23,10 @@
 
 namespace xirang {
 
+namespace transport {
+class ShmDomain;
+}
+
 // Reusable, uninitialised working memory for the algorithms, in the reducer's memory. Large
 // per-op allocations went to mmap/munmap on every call (glibc's threshold) and cost page faults
 // comparable to the transfer.
@@ -55,6 +59,10 @@ struct Comm {
   enum class Algo { Auto, Ring, Direct, TwoLevel } algo = Algo::Auto;
   std::vector<int> local_group;  // two-level plan: ranks on this rank's host, in ring order
   std::vector<int> cross_group;  // ranks with this rank's local index on every host
+  // The shared-memory domain of this rank's same-host ranks (transport/shm.h), or null: the
+  // caller's choice of transport for them (the backend: XIRANG_TRANSPORT_LOCAL). The algorithms
+  // of this header never touch it; algorithms/shm.h's take it as an argument.
+  transport::ShmDomain* shm = nullptr;
 
   std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();  // one op at a time uses it
   uint8_t* scratchBytes(size_t slot, size_t bytes) const { return scratch->get(slot, bytes, *reducer); }

@@ -28,6 +28,8 @@ const std::vector<Knob>& knobs() {
        T::Int, R::Process},
       {"XIRANG_SHM_BYTES", "4194304", "shared-memory slot per same-host rank, bytes, 4096 to 1073741824 (the segment holds one per local rank): collectives move messages through it in pieces of about this size; 4 MiB keeps 8 ranks within Docker's default 64 MiB /dev/shm, and at 4 MiB a piece's copies cost far more than its two barriers",
        T::Int, R::Group},
+      {"XIRANG_TRANSPORT_LOCAL", "auto", "ranks of a group on the same host (same XIRANG_HOST label): auto (shared memory when every one of them can map one segment, else TCP, with an INFO line saying why), shm (shared memory or a creation error naming the rank and why), tcp (sockets); must agree across the group's ranks",
+       T::String, R::Group},
       {"XIRANG_CODEC", "auto", "codec path: auto, avx512bf16, avx2, scalar", T::String, R::Process},
       {"XIRANG_NCCL_LIBRARY", "", "the NCCL library to dlopen (a path or file name) instead of searching: the copy already loaded by torch, torch's nvidia-nccl wheel, then the loader's path",
        T::String, R::Process},

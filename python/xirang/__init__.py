@@ -64,7 +64,8 @@ def stats(process_group=None, gather: bool = False):
 
     Each record is a dict: seq, op, algorithm, group_id (the hook's layer group, -1 otherwise),
     label (the group's layer names), dtype, numel, bytes_raw, bytes_wire (payload bytes this rank
-    sent; headers excluded), bytes_cross_host, bytes_cross_rack, t_enqueue, queued_s, encode_s,
+    sent; headers excluded), bytes_tcp and bytes_shm (of them, over TCP sockets / written into the
+    same-host shared memory, XIRANG_TRANSPORT_LOCAL), bytes_cross_host, bytes_cross_rack, t_enqueue, queued_s, encode_s,
     scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok, peers, exposed_wait_s.
 
     exposed_wait_s: seconds the caller's threads spent blocked in ``Work.wait()`` on the operation

@@ -158,6 +158,9 @@ def create(dist_backend_opts, backend_options):
         heartbeat_s = C.env_double("XIRANG_HEARTBEAT_S")
         if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
             raise ValueError(f"XIRANG_HEARTBEAT_S must be > 0 seconds (finite), got {C.env_get('XIRANG_HEARTBEAT_S')!r}")
+    local = C.env_get("XIRANG_TRANSPORT_LOCAL")
+    if local not in ("auto", "shm", "tcp"):
+        raise ValueError(f"XIRANG_TRANSPORT_LOCAL must be auto, shm or tcp, got {local!r}")
     order = opts.ring_order or C.env_get("XIRANG_RING_ORDER")
     if order not in _RING_ORDERS:
         raise ValueError(f"XIRANG_RING_ORDER must be topology or rank, got {order!r}")
@@ -182,15 +185,23 @@ def create(dist_backend_opts, backend_options):
     generation = C.generation(store, rank, size, timeout, join, group_name)
     ns = C.key_namespace(generation)
 
-    # Topology labels of every rank, exchanged through the group's (prefixed) store.
+    # Topology labels of every rank, exchanged through the group's (prefixed) store, with the
+    # per-group settings every rank must share (XIRANG_TRANSPORT_LOCAL: ranks of one host that
+    # disagree would wait for each other's shared memory until the timeout).
     host, rack = _labels(C)
     hosts, racks, ring = [host], [rack], []
     if size > 1:
-        store.set(f"{ns}/label/{rank}", f"{host}\t{rack}")
-        labels = []
+        store.set(f"{ns}/label/{rank}", f"{host}\t{rack}\t{local}")
+        labels, locals_ = [], []
         for r in range(size):
-            h, k = store.get(f"{ns}/label/{r}").decode().split("\t")
+            h, k, lo = store.get(f"{ns}/label/{r}").decode().split("\t")
             labels.append((r, h, k))
+            locals_.append(lo)
+        differ = [r for r in range(size) if locals_[r] != local]
+        if differ:
+            theirs = ", ".join(f"rank {r}: {locals_[r]!r}" for r in differ[:8])
+            raise ValueError(f"xirang rank {rank}: XIRANG_TRANSPORT_LOCAL must agree across the group's ranks: "
+                             f"this rank {local!r}, {theirs}")
         hosts = [h for _, h, _ in labels]
         racks = [k for _, _, k in labels]
         ring = list(C.ring_order(labels, order == "topology"))

@@ -15,6 +15,7 @@ Metrics (labels: pg, op, group = the hook's layer group or "-", phase):
     xirang_failed_ops_total               operations that failed
     xirang_bytes_raw_total                payload bytes the algorithm would send uncompressed
     xirang_bytes_wire_total               payload bytes sent (headers excluded)
+    xirang_bytes_tcp_total, xirang_bytes_shm_total   of them, over TCP / written into shared memory
     xirang_bytes_cross_host_total, xirang_bytes_cross_rack_total
     xirang_phase_seconds_total{phase=}    queued, encode, scatter_reduce, allgather, decode,
                                           unattributed (total minus the four busy phases), total
@@ -73,11 +74,12 @@ class Aggregator:
                 pg = str(r.get("pg", self.pg_name))
                 k = (pg, str(r.get("op", "?")), _group_of(r))
                 s = self.sums.setdefault(k, {"ops": 0.0, "failed": 0.0, "bytes_raw": 0.0, "bytes_wire": 0.0,
+                                              "bytes_tcp": 0.0, "bytes_shm": 0.0,
                                               "bytes_cross_host": 0.0, "bytes_cross_rack": 0.0,
                                               **{p: 0.0 for p in PHASES}, "unattributed_s": 0.0, "total_s": 0.0})
                 s["ops"] += 1
                 s["failed"] += 0 if r.get("ok", True) else 1
-                for b in ("bytes_raw", "bytes_wire", "bytes_cross_host", "bytes_cross_rack"):
+                for b in ("bytes_raw", "bytes_wire", "bytes_tcp", "bytes_shm", "bytes_cross_host", "bytes_cross_rack"):
                     s[b] += float(r.get(b, 0) or 0)
                 for p in PHASES + ("total_s",):
                     s[p] += float(r.get(p, 0.0) or 0.0)
@@ -110,6 +112,9 @@ class _Collector:
             "failed": CounterMetricFamily("xirang_failed_ops", "xirang operations that failed", labels=lab),
             "bytes_raw": CounterMetricFamily("xirang_bytes_raw", "payload bytes uncompressed", labels=lab),
             "bytes_wire": CounterMetricFamily("xirang_bytes_wire", "payload bytes sent (headers excluded)", labels=lab),
+            "bytes_tcp": CounterMetricFamily("xirang_bytes_tcp", "payload bytes sent over TCP", labels=lab),
+            "bytes_shm": CounterMetricFamily("xirang_bytes_shm", "payload bytes written into shared memory",
+                                             labels=lab),
             "bytes_cross_host": CounterMetricFamily("xirang_bytes_cross_host", "payload bytes sent to other hosts", labels=lab),
             "bytes_cross_rack": CounterMetricFamily("xirang_bytes_cross_rack", "payload bytes sent to other racks", labels=lab),
         }

@@ -4,7 +4,8 @@ Each test spawns its own ranks (a dedicated ``mp_pool.Pool``; the c10d store liv
 process, so it outlives every rank) and kills some of them: with the test-only knob
 XIRANG_TEST_DIE_AFTER_SEGMENTS=k@r (rank r SIGKILLs itself after sending k data frames) or
 with os.kill. Values are checked against references computed in the test from the inputs of
-the ranks that survived.
+the ranks that survived. Tests that count TCP data frames run with XIRANG_TRANSPORT_LOCAL=tcp;
+the others take the default (shared memory between these same-host ranks, rebuilt per epoch).
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def w_killed_mid_allreduce():
 def test_killed_mid_64mib_allreduce(phase, frames):
     # WS=4 ring, 1 MiB segments: each rank sends 48 data frames in scatter-reduce, then 48 in
     # allgather (plus one for the barrier before), so frame 10 is in the first, 70 in the second.
-    env = dict(XIRANG_ELASTIC="1", XIRANG_ALGO="ring", XIRANG_SEGMENT_BYTES=str(MiB),
+    env = dict(XIRANG_ELASTIC="1", XIRANG_ALGO="ring", XIRANG_TRANSPORT_LOCAL="tcp", XIRANG_SEGMENT_BYTES=str(MiB),
                XIRANG_TEST_DIE_AFTER_SEGMENTS=f"{frames}@2", XIRANG_HEARTBEAT_S="1.0")
     with mp_pool.Pool(4, "xirang", timeout_s=60, env=env) as pool:
         res = pool.run(w_killed_mid_allreduce, allow_exit=[2], timeout=120)
@@ -120,7 +121,7 @@ def w_hook_op_retried():
 
 
 def test_hook_op_retried_on_new_ring():
-    env = dict(XIRANG_ELASTIC="1", XIRANG_ALGO="ring", XIRANG_SEGMENT_BYTES=str(256 << 10),
+    env = dict(XIRANG_ELASTIC="1", XIRANG_ALGO="ring", XIRANG_TRANSPORT_LOCAL="tcp", XIRANG_SEGMENT_BYTES=str(256 << 10),
                XIRANG_TEST_DIE_AFTER_SEGMENTS="6@2")
     with mp_pool.Pool(4, "xirang", timeout_s=60, env=env) as pool:
         res = pool.run(w_hook_op_retried, allow_exit=[2], timeout=120)
@@ -180,7 +181,7 @@ def w_fail_during_rebuild():
 
 
 def test_failure_during_rebuild():
-    env = dict(XIRANG_ELASTIC="1", XIRANG_ALGO="ring", XIRANG_SEGMENT_BYTES=str(256 << 10),
+    env = dict(XIRANG_ELASTIC="1", XIRANG_ALGO="ring", XIRANG_TRANSPORT_LOCAL="tcp", XIRANG_SEGMENT_BYTES=str(256 << 10),
                XIRANG_TEST_DIE_AFTER_SEGMENTS="3@2")
     with mp_pool.Pool(4, "xirang", timeout_s=60, env=env) as pool:
         res = pool.run(w_fail_during_rebuild, allow_exit=[1, 2], timeout=120)
@@ -198,7 +199,11 @@ def w_stopped_rank_comes_back():
     me = dist.get_rank()
     mp_pool.W.store.set(f"pid{me}", str(os.getpid()))
     dist.barrier()
+    mp_pool.W.store.set(f"past_barrier{me}", "1")
     if me == 0:
+        # rank 3 freezes between operations: once its barrier has returned (over shared memory
+        # it may still be reading the others' counts when rank 0's barrier returns)
+        mp_pool.W.store.wait(["past_barrier3"])
         pid3 = int(mp_pool.W.store.get("pid3").decode())
         os.kill(pid3, signal.SIGSTOP)  # rank 3 freezes: no heartbeats, no traffic
         mp_pool.W.store.set("stopped", "1")

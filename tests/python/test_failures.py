@@ -226,7 +226,8 @@ def w_peer_exits_before_first_op():
 
 
 def test_peer_that_never_connected_is_detected_fast(backend):
-    with mp_pool.Pool(2, backend, timeout_s=60) as pool:
+    # TCP's listener probe (over shared memory the dead pid is what says so: test_shm.py)
+    with mp_pool.Pool(2, backend, timeout_s=60, env={"XIRANG_TRANSPORT_LOCAL": "tcp"}) as pool:
         res = pool.run(w_peer_exits_before_first_op, allow_exit=[1], timeout=60)
         first = res[0]
         print(f"{backend}: rank 0 raised after {getattr(first, 'elapsed', None)}: {first}")

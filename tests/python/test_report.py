@@ -216,7 +216,7 @@ def close(a, b):
 def test_records_add_up_ring(ws, tmp_path):
     d = str(tmp_path / "stats")
     iters = 3
-    res = run_pool(ws, d, w_allreduce, MIB_NUMEL, iters, env={"XIRANG_ALGO": "ring"})
+    res = run_pool(ws, d, w_allreduce, MIB_NUMEL, iters, env={"XIRANG_ALGO": "ring", "XIRANG_TRANSPORT_LOCAL": "tcp"})
     payload = MIB_NUMEL * 4
     lines = read_jsonl(d)
     for rank, r in enumerate(res):
@@ -298,7 +298,7 @@ def test_records_add_up_ring(ws, tmp_path):
 def test_slow_rank_is_named(ws, slow, tmp_path):
     d = str(tmp_path / "stats")
     iters = 4
-    run_pool(ws, d, w_allreduce, MIB_NUMEL, iters, env={"XIRANG_ALGO": "ring"},
+    run_pool(ws, d, w_allreduce, MIB_NUMEL, iters, env={"XIRANG_ALGO": "ring", "XIRANG_TRANSPORT_LOCAL": "tcp"},
              delay_rank=slow, delay_ms=200, timeout=120)
     lines = read_jsonl(d)
     from xirang import report
@@ -357,7 +357,8 @@ def test_exposed_wait(tmp_path):
 def test_hook_steps_and_labels(tmp_path):
     d = str(tmp_path / "stats")
     steps, lpg = 3, 2
-    res = run_pool(2, d, w_hook, steps, lpg, timeout=180)
+    # the BF16 ring (over shared memory the hook's op is fp32: test_shm.py)
+    res = run_pool(2, d, w_hook, steps, lpg, env={"XIRANG_TRANSPORT_LOCAL": "tcp"}, timeout=180)
     layers = res[0]["layers"]
     assert len(layers) == 3
     hook = [x for x in res[0]["records"] if x["group_id"] >= 0]

@@ -202,7 +202,8 @@ def test_two_level_equals_ring(two_level_job, dtype, op):
         assert len(ps) == 4
         for r, p in enumerate(ps):
             if dtype != "bfloat16":  # 16-bit floats: test_forced_algorithm_honoured_for_bf16
-                assert p["alg_two_level"] == "two_level", (case, r, p["alg_two_level"])
+                # each host's ranks share memory (XIRANG_TRANSPORT_LOCAL=auto): its level goes through it
+                assert p["alg_two_level"] == "shm_two_level", (case, r, p["alg_two_level"])
                 assert p["alg_ring"] == "ring", (case, r, p["alg_ring"])
             assert p["equal"], f"{case} rank {r}: two-level vs ring differ by {p['diff']}"
             assert p["two_level_ref_ok"], f"{case} rank {r}: two-level vs reference differ by {p['two_level_ref_diff']}"
@@ -229,7 +230,8 @@ def test_forced_algorithm_honoured_for_bf16(two_level_job, degenerate_job):
                 got[(name, algo) + case] = sorted({row["algorithm"] for row in rows})
     # Without a two-level plan, auto sends 16 bits straight to each chunk's owner, which sums in
     # fp32 (allreduce16: direct reduce-scatter + ring allgather), as the README documents.
-    want = {k: (["two_level"] if k[0] in ("two_level group", "one_rack")
+    # the two_level job's hosts share memory (auto); the degenerate job runs with tcp
+    want = {k: (["shm_two_level"] if k[0] == "two_level group" else ["two_level"] if k[0] == "one_rack"
                 else ["direct_rs_fp32+ring_ag"] if k[1] == "auto" else ["ring"]) for k in got}
     bad = {k: v for k, v in got.items() if v != want[k]}
     assert not bad, f"bf16 ignores the forced/auto algorithm: {bad}"
@@ -257,7 +259,9 @@ def test_two_level_cross_host_bytes(two_level_job, dtype):
 # ============================================================================================
 @pytest.fixture(scope="module")
 def degenerate_job():
-    results, logs = run_job(4, "degenerate", lambda r: {}, common_env={"XIRANG_DEBUG": "INFO"})
+    # the TCP engine's choice (same-host ranks over shared memory report shm_*: test_shm.py)
+    results, logs = run_job(4, "degenerate", lambda r: {}, common_env={"XIRANG_DEBUG": "INFO",
+                                                                      "XIRANG_TRANSPORT_LOCAL": "tcp"})
     return results, logs
 
 

@@ -544,7 +544,11 @@ void alltoall(const Comm& comm, ShmDomain& d, const OpCtx& ctx, const std::vecto
                  d.slot(L.me) + p.cap * static_cast<uint64_t>(i), w.bytes);
     }
   };
-  runPieces(L, ctx, p);
+  // The ranks' element counts differ with uneven splits (the engine's frames carry each pair's
+  // block size instead): the record's sizes table checks every pair, its header the rest.
+  OpCtx pairwise = ctx;
+  pairwise.numel = 0;
+  runPieces(L, pairwise, p);
   setAlgorithm(ctx, "shm");
 }
 

@@ -13,7 +13,9 @@ _SUMMED = ("bytes_raw_per_step", "bytes_wire_per_step", "launches_per_step", "co
 
 def group_record(g: Group, ring: float) -> Dict[str, Any]:
     """One group's figures; ``ring`` = 2(N-1)/N, the share of a buffer a rank sends in a ring
-    allreduce."""
+    allreduce. The bytes are the TCP ring's, computed: a group whose ranks share one host and
+    run over shared memory (XIRANG_TRANSPORT_LOCAL) moves fp32 instead; what each operation
+    really moved, and by which transport, is in its record (``bytes_tcp``, ``bytes_shm``)."""
     raw = 4 * g.ef_numel * ring
     wire = 2 * g.ef_numel * ring
     for dt, k in g.plain_numel.items():

@@ -95,9 +95,12 @@ def analyze(records: List[dict], runs_available: Optional[List[str]] = None, run
             d[p] += num(r, p)
         d["unattributed_s"] += unattributed(r)
         d["total_s"] += num(r, "total_s")
-        b = bytes_g.setdefault(k, {"raw": 0.0, "wire": 0.0, "cross_host": 0.0, "cross_rack": 0.0})
+        b = bytes_g.setdefault(k, {"raw": 0.0, "wire": 0.0, "tcp": 0.0, "shm": 0.0, "cross_host": 0.0,
+                                   "cross_rack": 0.0})
         b["raw"] += num(r, "bytes_raw")
         b["wire"] += num(r, "bytes_wire")
+        b["tcp"] += num(r, "bytes_tcp")
+        b["shm"] += num(r, "bytes_shm")
         b["cross_host"] += num(r, "bytes_cross_host")
         b["cross_rack"] += num(r, "bytes_cross_rack")
         gid = r.get("group_id", -1)
@@ -117,6 +120,7 @@ def analyze(records: List[dict], runs_available: Optional[List[str]] = None, run
             "busy_s": busy,
             "phase_s": {p: sum(per_step[p]) for p in STACK},
             "bytes_raw": bytes_g[k]["raw"], "bytes_wire": bytes_g[k]["wire"],
+            "bytes_tcp": bytes_g[k]["tcp"], "bytes_shm": bytes_g[k]["shm"],
             "bytes_cross_host": bytes_g[k]["cross_host"], "bytes_cross_rack": bytes_g[k]["cross_rack"],
         })
     total_busy = sum(g["busy_s"] for g in groups) or 0.0
@@ -279,6 +283,8 @@ def analyze(records: List[dict], runs_available: Optional[List[str]] = None, run
         "slowest_link": slowest_link,
         "slowest_link_ratio": link_ratio,
         "bytes": {"raw": raw, "wire": wire,
+                  "tcp": sum(num(r, "bytes_tcp") for r in records),
+                  "shm": sum(num(r, "bytes_shm") for r in records),
                   "cross_host": sum(num(r, "bytes_cross_host") for r in records),
                   "cross_rack": sum(num(r, "bytes_cross_rack") for r in records)},
         "failed_ops": sum(1 for r in records if r.get("ok") is False),

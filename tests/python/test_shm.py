@@ -1,0 +1,339 @@
+"""Same-host ranks over shared memory (#13): XIRANG_TRANSPORT_LOCAL=shm against =tcp.
+
+Every collective runs in a pool whose ranks use the shared-memory domain and in one whose ranks
+use TCP, on the same inputs (``refs.make_input``): the results must be bitwise equal between the
+two and equal to the fp64 / exact reference; the records must say which transport carried the
+bytes. Then the failure paths: a peer SIGKILLed mid-operation, a knob that differs between
+ranks, and a loop of group creations that must leave file descriptors and /dev/shm flat.
+XIRANG_SHM_BYTES=4096 (the smallest slot) makes the 50 K-element cases run in many pieces.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mp_pool
+from refs import assert_reduced, bitwise_equal, dt, make_input
+
+pytestmark = pytest.mark.xirang_only
+
+# (dtype, numel): a small message (the direct exchange's rank order) and large ones (the ring's
+# order; 16-bit floats through allreduce16), every dtype family.
+CASES = [("float32", 7), ("float32", 50_003), ("bfloat16", 50_003), ("float16", 1_003), ("int32", 50_003)]
+SHM_ENV = {"XIRANG_TRANSPORT_LOCAL": "shm", "XIRANG_SHM_BYTES": "4096"}
+TCP_ENV = {"XIRANG_TRANSPORT_LOCAL": "tcp", "XIRANG_SHM_BYTES": "4096"}
+
+
+def shm_segments() -> set:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("xirang-")}
+
+
+def _be():
+    import xirang._backend
+
+    return xirang._backend.backend_for(mp_pool.group())
+
+
+# ====================================================================== workers (on the ranks)
+def w_every_collective(cases):
+    g = mp_pool.group()
+    r, n = dist.get_rank(g), dist.get_world_size(g)
+    be = _be()
+    be.clear_records()
+    out = {"shm_ranks": list(be.shm_ranks)}
+    for dtype, numel in cases:
+        k = f"{dtype}-{numel}"
+        t = make_input(r, numel, dtype, "SUM", "ar")
+        dist.all_reduce(t, group=g)
+        out[k + "/all_reduce_sum"] = t
+        op2 = "AVG" if dtype.startswith(("float", "bfloat")) else "MAX"
+        t = make_input(r, numel, dtype, op2, "ar2")
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op2), group=g)
+        out[k + "/all_reduce_" + op2.lower()] = t
+        t = make_input(r, numel, dtype, "MOVE", "bc")
+        dist.broadcast(t, src=n - 1, group=g)
+        out[k + "/broadcast"] = t
+        o = torch.empty(n * numel, dtype=dt(dtype))
+        dist.all_gather_into_tensor(o, make_input(r, numel, dtype, "MOVE", "ag"), group=g)
+        out[k + "/all_gather"] = o
+        o = torch.empty(numel, dtype=dt(dtype))
+        dist.reduce_scatter_tensor(o, make_input(r, n * numel, dtype, "SUM", "rs"), group=g)
+        out[k + "/reduce_scatter"] = o
+        o = torch.empty(n * numel, dtype=dt(dtype))
+        dist.all_to_all_single(o, make_input(r, n * numel, dtype, "MOVE", "a2a"), group=g)
+        out[k + "/all_to_all"] = o
+        lst = [torch.empty(numel, dtype=dt(dtype)) for _ in range(n)] if r == 0 else None
+        dist.gather(make_input(r, numel, dtype, "MOVE", "ga"), lst, dst=0, group=g)
+        if r == 0:
+            out[k + "/gather"] = torch.cat(lst)
+        o = torch.empty(numel, dtype=dt(dtype))
+        src = list(make_input(n - 1, n * numel, dtype, "MOVE", "sc").chunk(n)) if r == n - 1 else None
+        dist.scatter(o, src, src=n - 1, group=g)
+        out[k + "/scatter"] = o
+        t = make_input(r, numel, dtype, "SUM", "rd")
+        dist.reduce(t, dst=0, group=g)
+        if r == 0:
+            out[k + "/reduce"] = t
+        dist.barrier(group=g)
+    # the hook's op (averaged error feedback) on fp32
+    x = make_input(r, 20_001, "float32", "SUM", "ef")
+    res = make_input(r, 20_001, "float32", "SUM", "efr") * 1e-3
+    staged = torch.full_like(x, 7.0)
+    be.allreduce_ef(x, res, staged).wait()
+    out["ef/x"], out["ef/staged"] = x, staged
+    out["records"] = [(rec["op"], rec["algorithm"], rec["bytes_shm"], rec["bytes_tcp"], rec["bytes_wire"])
+                      for rec in be.records()]
+    return out
+
+
+def w_killed_mid_op():
+    g = mp_pool.group()
+    me = dist.get_rank(g)
+    t = torch.ones(4 * 1024 * 1024)  # 16 MiB of float32: thousands of 4 KiB pieces per op
+    dist.barrier(group=g)
+    if me == 2:
+        def killer():
+            time.sleep(0.1)
+            mp_pool.W.store.set("shm_killed_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=killer, daemon=True).start()
+    for i in range(500):
+        try:
+            dist.all_reduce(t, group=g)
+        except Exception as e:  # noqa: BLE001
+            t_err = time.time()
+            killed_at = float(mp_pool.W.store.get("shm_killed_at").decode())
+            second = mp_pool.capture(dist.all_reduce, torch.ones(4), group=g)
+            return dict(exc=mp_pool.exc_info(e), latency=t_err - killed_at, ops_done=i, second=second)
+    return dict(exc=None, ops_done=500)
+
+
+def w_mismatch():
+    os.environ["XIRANG_TRANSPORT_LOCAL"] = "shm" if mp_pool.W.rank == 0 else "tcp"
+    try:
+        return mp_pool.capture(
+            dist.init_process_group, "xirang", store=dist.PrefixStore("mismatch", mp_pool.W.store),
+            rank=mp_pool.W.rank, world_size=mp_pool.W.world_size, timeout=datetime.timedelta(seconds=20))
+    finally:
+        del os.environ["XIRANG_TRANSPORT_LOCAL"]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def w_init_destroy(cycles):
+    import xirang._backend
+
+    fds, segs, chosen = [], [], []
+    for i in range(cycles):
+        dist.init_process_group("xirang", store=dist.PrefixStore(f"cycle{i}", mp_pool.W.store),
+                                rank=mp_pool.W.rank, world_size=mp_pool.W.world_size,
+                                timeout=datetime.timedelta(seconds=30))
+        t = torch.full((1000,), float(mp_pool.W.rank + 1))
+        dist.all_reduce(t)
+        chosen.append((list(xirang._backend.backend_for().shm_ranks), t[0].item()))
+        dist.destroy_process_group()
+        fds.append(_open_fds())
+        segs.append(len(shm_segments()))
+    return dict(fds=fds, segs=segs, chosen=chosen)
+
+
+def w_two_hosts(mode):
+    """2 labelled hosts x 2 ranks, the two-level allreduce: over shm the host level goes through
+    each host's domain, the cross-host level over TCP."""
+    import xirang
+    import xirang._backend
+
+    r = mp_pool.W.rank
+    os.environ["XIRANG_HOST"] = f"fakehost{r // 2}"
+    os.environ["XIRANG_TRANSPORT_LOCAL"] = mode
+    try:
+        dist.init_process_group("xirang", store=dist.PrefixStore(f"twohosts-{mode}", mp_pool.W.store), rank=r,
+                                world_size=mp_pool.W.world_size, timeout=datetime.timedelta(seconds=30),
+                                pg_options=xirang.Options(algorithm="two_level"))
+    finally:
+        del os.environ["XIRANG_HOST"], os.environ["XIRANG_TRANSPORT_LOCAL"]
+    be = xirang._backend.backend_for()
+    t = make_input(r, 300_001, "float32", "SUM", "2h")
+    dist.all_reduce(t)
+    rec = be.records()[-1]
+    out = dict(t=t, shm_ranks=list(be.shm_ranks), algorithm=rec["algorithm"], bytes_shm=rec["bytes_shm"],
+               bytes_tcp=rec["bytes_tcp"])
+    dist.destroy_process_group()
+    return out
+
+
+# ====================================================================== tests
+_RESULTS: dict = {}
+
+
+def _run_both(ws):
+    if ws not in _RESULTS:
+        got = {}
+        for mode, env in (("shm", SHM_ENV), ("tcp", TCP_ENV)):
+            with mp_pool.Pool(ws, "xirang", timeout_s=60, env=env) as pool:
+                got[mode] = pool.run(w_every_collective, CASES, timeout=120)
+        _RESULTS[ws] = got
+    return _RESULTS[ws]
+
+
+def _expected(ws, r, key):
+    """The reference of result `key` on rank r (None: checked by a reduction bound instead)."""
+    case, coll = key.split("/")
+    dtype, numel = case.rsplit("-", 1)
+    numel = int(numel)
+    if coll == "broadcast":
+        return make_input(ws - 1, numel, dtype, "MOVE", "bc")
+    if coll == "all_gather":
+        return torch.cat([make_input(q, numel, dtype, "MOVE", "ag") for q in range(ws)])
+    if coll == "all_to_all":
+        return torch.cat([make_input(q, ws * numel, dtype, "MOVE", "a2a").chunk(ws)[r] for q in range(ws)])
+    if coll == "gather":
+        return torch.cat([make_input(q, numel, dtype, "MOVE", "ga") for q in range(ws)])
+    if coll == "scatter":
+        return make_input(ws - 1, ws * numel, dtype, "MOVE", "sc").chunk(ws)[r]
+    return None
+
+
+def _reduction_inputs(ws, r, key):
+    case, coll = key.split("/")
+    dtype, numel = case.rsplit("-", 1)
+    numel = int(numel)
+    if coll == "all_reduce_sum":
+        return [make_input(q, numel, dtype, "SUM", "ar") for q in range(ws)], "SUM"
+    if coll.startswith("all_reduce_"):
+        op = coll.rsplit("_", 1)[1].upper()
+        return [make_input(q, numel, dtype, op, "ar2") for q in range(ws)], op
+    if coll == "reduce_scatter":
+        return [make_input(q, ws * numel, dtype, "SUM", "rs").chunk(ws)[r] for q in range(ws)], "SUM"
+    if coll == "reduce":
+        return [make_input(q, numel, dtype, "SUM", "rd") for q in range(ws)], "SUM"
+    raise KeyError(key)
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_shm_chosen_only_when_asked(backend, ws):
+    got = _run_both(ws)
+    assert all(res["shm_ranks"] == list(range(ws)) for res in got["shm"]), [res["shm_ranks"] for res in got["shm"]]
+    assert all(res["shm_ranks"] == [] for res in got["tcp"])
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_every_collective_bitwise_equal_to_tcp_and_reference(backend, ws):
+    got = _run_both(ws)
+    keys = [k for k in got["shm"][0] if "/" in k and not k.startswith("ef/")]
+    assert len(keys) == 9 * len(CASES), keys  # rank 0 holds the rooted results too
+    for r in range(ws):
+        for k in [k for k in got["shm"][r] if "/" in k and not k.startswith("ef/")]:
+            a, b = got["shm"][r][k], got["tcp"][r][k]
+            assert bitwise_equal(a, b), f"ws={ws} rank {r} {k}: shm and tcp differ bitwise"
+            want = _expected(ws, r, k)
+            if want is not None:
+                assert torch.equal(a, want), f"ws={ws} rank {r} {k}: wrong bytes"
+            else:
+                inputs, op = _reduction_inputs(ws, r, k)
+                assert_reduced(a, inputs, op, strict16=True, what=f"ws={ws} rank {r} {k}")
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_hook_op_is_fp32_over_shm(backend, ws):
+    """shm::allreduceEF: x = sum_i (x_i / N + r_i) in fp32, residual 0; TCP: the BF16 ring keeps
+    sum_t y_t + sum_i r_i = sum_i x_i / N (one step)."""
+    got = _run_both(ws)
+    xs = [make_input(q, 20_001, "float32", "SUM", "ef").double() for q in range(ws)]
+    rs = [make_input(q, 20_001, "float32", "SUM", "efr").double() * 1e-3 for q in range(ws)]
+    want = sum(x / ws + r for x, r in zip(xs, rs))
+    for r in range(ws):
+        y = got["shm"][r]["ef/x"]
+        assert bitwise_equal(y, got["shm"][0]["ef/x"])
+        assert float((y.double() - want).abs().max()) < 4 * ws * 1.2e-7, "shm EF off the fp32 sum"
+        assert torch.count_nonzero(got["shm"][r]["ef/staged"]) == 0, "shm EF leaves a residual"
+        yt = got["tcp"][r]["ef/x"]
+        assert not bitwise_equal(yt, y), "the TCP hook op should be the BF16 ring (rounded), not fp32"
+    total = got["tcp"][0]["ef/x"].double() + sum(got["tcp"][q]["ef/staged"].double() for q in range(ws))
+    assert float((total - sum(xs) / ws - sum(rs)).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_records_name_the_transport(backend, ws):
+    got = _run_both(ws)
+    for mode in ("shm", "tcp"):
+        for r in range(ws):
+            recs = got[mode][r]["records"]
+            ar = [x for x in recs if x[0] == "all_reduce"]
+            assert len(ar) == 2 * len(CASES), recs
+            for op, algo, b_shm, b_tcp, b_wire in ar:
+                if mode == "shm":
+                    assert algo.startswith("shm") and b_shm > 0 and b_tcp == 0, (mode, r, op, algo, b_shm, b_tcp)
+                else:
+                    assert not algo.startswith("shm") and b_tcp > 0 and b_shm == 0, (mode, r, op, algo, b_shm, b_tcp)
+                assert b_wire == b_shm + b_tcp
+            # every collective of the run (not only allreduce) took the chosen transport
+            moved = [x for x in recs if x[0] != "barrier"]
+            assert all((x[2] > 0) == (mode == "shm") or (x[2] == 0 and x[3] == 0) for x in moved), recs
+            assert sum(x[2] for x in recs) > 0 if mode == "shm" else sum(x[2] for x in recs) == 0
+
+
+@pytest.mark.dedicated
+def test_peer_killed_mid_op_survivors_raise_and_dev_shm_is_clean(backend):
+    before = shm_segments()
+    env = {"XIRANG_TRANSPORT_LOCAL": "shm"}
+    with mp_pool.Pool(3, "xirang", timeout_s=60, env=env) as pool:
+        res = pool.run(w_killed_mid_op, allow_exit=[2], timeout=60)
+    assert isinstance(res[2], mp_pool.Exited)
+    for r in (0, 1):
+        d = res[r]
+        assert d["exc"] is not None, f"rank {r} never raised after rank 2 was killed ({d['ops_done']} ops)"
+        assert d["exc"].is_runtime_error, f"rank {r}: not a RuntimeError: {d['exc']}"
+        assert d["latency"] < 10.0, f"rank {r} raised {d['latency']:.2f} s after the kill"
+        assert "rank 2" in d["exc"].message, f"rank {r}: the error does not name rank 2: {d['exc'].message}"
+        assert isinstance(d["second"], mp_pool.ExcInfo), f"rank {r}: the group is not poisoned"
+    # the segment was unlinked when the domain was made: nothing of this pool is left
+    deadline = time.monotonic() + 3
+    while shm_segments() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (shm_segments() - before), shm_segments() - before
+
+
+@pytest.mark.dedicated
+def test_knob_mismatch_is_a_clear_error(backend):
+    with mp_pool.Pool(2, "xirang", timeout_s=30, init=False) as pool:
+        res = pool.run(w_mismatch, timeout=60)
+    for r, other, theirs in ((0, 1, "'tcp'"), (1, 0, "'shm'")):
+        e = res[r]
+        assert isinstance(e, mp_pool.ExcInfo), f"rank {r} created the group despite the mismatch"
+        assert "XIRANG_TRANSPORT_LOCAL" in e.message and f"rank {other}: {theirs}" in e.message, e.message
+        assert e.elapsed < 15, f"rank {r} took {e.elapsed:.1f} s to fail"
+
+
+@pytest.mark.dedicated
+def test_init_destroy_loop_leaves_fds_and_dev_shm_flat(backend):
+    before = len(shm_segments())
+    with mp_pool.Pool(2, "xirang", timeout_s=60, init=False) as pool:  # default knob: auto
+        res = pool.run(w_init_destroy, 20, timeout=120)
+    for r, d in enumerate(res):
+        assert all(c == ([0, 1], 3.0) for c in d["chosen"]), (r, d["chosen"])  # auto picked shm every time
+        assert d["fds"][-1] == d["fds"][1], f"rank {r}: open fds grew over 20 cycles: {d['fds']}"
+        assert max(d["segs"]) <= before, f"rank {r}: /dev/shm grew: {d['segs']} (before: {before})"
+
+
+@pytest.mark.dedicated
+def test_two_hosts_two_level_host_level_over_shm(backend):
+    with mp_pool.Pool(4, "xirang", timeout_s=60, init=False) as pool:
+        got = {mode: pool.run(w_two_hosts, mode, timeout=90) for mode in ("shm", "tcp")}
+    inputs = [make_input(q, 300_001, "float32", "SUM", "2h") for q in range(4)]
+    for r in range(4):
+        s, t = got["shm"][r], got["tcp"][r]
+        assert s["shm_ranks"] == ([0, 1] if r < 2 else [2, 3]), s["shm_ranks"]
+        assert s["algorithm"] == "shm_two_level" and s["bytes_shm"] > 0 and s["bytes_tcp"] > 0, s
+        assert t["shm_ranks"] == [] and t["algorithm"] == "two_level" and t["bytes_shm"] == 0, t
+        assert bitwise_equal(s["t"], t["t"]), f"rank {r}: two-level over shm differs from TCP"
+        assert_reduced(s["t"], inputs, "SUM", strict16=True, what=f"two hosts rank {r}")
