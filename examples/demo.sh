@@ -25,6 +25,12 @@ fi
 
 cd "$XIRANG_ROOT"
 nproc_per_node="${NPROC:-2}"
+# The ranks share this host, where xirang's default (XIRANG_TRANSPORT_LOCAL=auto) moves bytes through
+# shared memory and runs the hook's op as an exact fp32 average. The demo shows the bf16
+# error-feedback wire that ranks on different hosts use, so it keeps the TCP engine unless told
+# otherwise (XIRANG_TRANSPORT_LOCAL=auto bash examples/demo.sh: same-host shared memory).
+export XIRANG_TRANSPORT_LOCAL="${XIRANG_TRANSPORT_LOCAL:-tcp}"
+echo "demo: XIRANG_TRANSPORT_LOCAL=$XIRANG_TRANSPORT_LOCAL" >&2
 echo "demo: $PY -m torch.distributed.run --nproc_per_node=$nproc_per_node benchmarks/train_compare.py $*" >&2
 exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$nproc_per_node" \
     benchmarks/train_compare.py --summary build/demo-summary.json "$@"

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 
@@ -88,6 +89,17 @@ std::shared_ptr<transport::ShmDomain> Membership::makeShm(const std::vector<int>
   o.key_prefix = key_ns_ + "/shm/" + std::to_string(epoch) + "/" + std::to_string(local.front());
   // The TCP control path tells a waiter that a peer left or died (its exit record, its closed
   // connection or listener) where the domain's own process checks cannot (another pid namespace).
+  // With XIRANG_AUTH_KEY_FILE the segment's name carries a MAC of the key: a rank holding another
+  // key looks for another name, never maps this one, and the group falls back to TCP, whose
+  // handshake refuses it (the store, which carries the token, is not the trust root then). The
+  // segment's mode 0600 keeps other users out either way.
+  if (auth_key_) {
+    static constexpr char kWhat[] = "xirang shm segment name";
+    char mac[17];
+    std::snprintf(mac, sizeof(mac), "%016llx",
+                  static_cast<unsigned long long>(transport::siphash24(*auth_key_, kWhat, sizeof(kWhat) - 1)));
+    o.name_prefix = std::string("/xirang-") + mac + "-";
+  }
   std::weak_ptr<transport::Tcp> weak = tcp;
   o.peer_gone = [weak](int peer) -> std::string {
     auto t = weak.lock();

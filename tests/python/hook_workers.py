@@ -128,6 +128,10 @@ def setup(rank, ws, port, kind, exact=False, threads=1):
     backend = "xirang" if kind == "xirang" else "gloo"
     if kind == "xirang":
         import xirang  # noqa: F401  (registers the backend)
+        # These scenarios check the hook's BF16 error-feedback wire, which ranks on different
+        # hosts use. On one host the default (auto) runs the hook's op as an exact fp32 average
+        # over shared memory instead (residuals stay 0; test_shm.test_hook_op_is_fp32_over_shm).
+        os.environ.setdefault("XIRANG_TRANSPORT_LOCAL", "tcp")
     dist.init_process_group(
         backend, rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=60)
     )
