@@ -337,3 +337,104 @@ def test_two_hosts_two_level_host_level_over_shm(backend):
         assert t["shm_ranks"] == [] and t["algorithm"] == "two_level" and t["bytes_shm"] == 0, t
         assert bitwise_equal(s["t"], t["t"]), f"rank {r}: two-level over shm differs from TCP"
         assert_reduced(s["t"], inputs, "SUM", strict16=True, what=f"two hosts rank {r}")
+
+
+# A rank that has a /dev/shm of its own (a container of its own on the same host, which the
+# topology still labels as that host): it runs in a mount namespace with a fresh tmpfs on
+# /dev/shm, so it cannot open the segment the other rank created. Ranks are launched as plain
+# processes with env:// rendezvous (the isolated one under `unshare -m`).
+_ISOLATED_WORKER = r"""
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+import xirang, xirang._backend
+try:
+    dist.init_process_group("xirang", timeout=datetime.timedelta(seconds=20))
+except Exception as e:
+    print("INIT_ERROR " + json.dumps(str(e)), flush=True)
+    sys.exit(0)
+r = dist.get_rank()
+be = xirang._backend.backend_for()
+be.clear_records()
+t = torch.arange(300_001, dtype=torch.float32) * (r + 1)
+dist.all_reduce(t)
+rec = be.records()[-1]
+print("RESULT " + json.dumps({"shm_ranks": list(be.shm_ranks), "t": t[:5].tolist() + t[-5:].tolist(),
+                              "bytes_shm": rec["bytes_shm"], "bytes_tcp": rec["bytes_tcp"]}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_with_one_rank_isolated(isolated: int, mode: str):
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux unshare (mount namespaces)")
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs -o size=64m xirang-test /dev/shm"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"needs the privilege to make a mount namespace: {probe.stderr.strip()}")
+    port = _free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
+                   XIRANG_TRANSPORT_LOCAL=mode, XIRANG_DEBUG="INFO")
+        cmd = [sys.executable, "-c", _ISOLATED_WORKER]
+        if r == isolated:
+            cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                   'mount -t tmpfs -o size=64m xirang-test /dev/shm && exec "$0" "$@"'] + cmd
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=90)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    res = []
+    for r, (rc, out, err) in enumerate(outs):
+        assert rc == 0, f"rank {r} exited {rc}: {err[-2000:]}"
+        line = [ln for ln in out.splitlines() if ln.startswith(("RESULT ", "INIT_ERROR "))]
+        assert line, f"rank {r} printed no result: {out[-1000:]} {err[-2000:]}"
+        kind, _, payload = line[-1].partition(" ")
+        res.append((kind, json.loads(payload), err))
+    return res
+
+
+@pytest.mark.parametrize("isolated", [0, 1])
+def test_separate_dev_shm_auto_falls_back_to_tcp(isolated):
+    before = shm_segments()
+    res = _run_with_one_rank_isolated(isolated, "auto")
+    n = 300_001
+    full = torch.arange(n, dtype=torch.float64) * 3  # (1 + 2) x i, exact in fp32 below 2^24
+    want = full[:5].tolist() + full[-5:].tolist()
+    for r, (kind, d, err) in enumerate(res):
+        assert kind == "RESULT", f"rank {r}: {d}"
+        assert d["shm_ranks"] == [], f"rank {r} reports a shared-memory domain: {d}"
+        assert d["bytes_shm"] == 0 and d["bytes_tcp"] > 0, f"rank {r}: {d}"
+        assert d["t"] == want, f"rank {r}: {d['t']} != {want}"
+        assert "shared memory unavailable" in err and "using TCP" in err, f"rank {r} did not say why: {err[-2000:]}"
+        assert "does not share /dev/shm" in err, f"rank {r}: {err[-2000:]}"
+    assert shm_segments() <= before, "a segment was left in /dev/shm"
+
+
+def test_separate_dev_shm_forced_shm_is_a_clear_error_on_every_rank():
+    before = shm_segments()
+    res = _run_with_one_rank_isolated(1, "shm")
+    for r, (kind, msg, _err) in enumerate(res):
+        assert kind == "INIT_ERROR", f"rank {r} initialised: {msg}"
+        assert "XIRANG_TRANSPORT_LOCAL=shm" in msg and "does not share /dev/shm" in msg, f"rank {r}: {msg}"
+        assert f"xirang rank {r}" in msg, f"rank {r}: the error does not name the rank: {msg}"
+    assert shm_segments() <= before, "a segment was left in /dev/shm"
