@@ -11,7 +11,6 @@
 #include <string>
 
 #include "backend/tensors.h"
-#include "core/algorithms/shm.h"
 #include "core/planner.h"
 #include "core/reduce.h"
 
@@ -38,32 +37,17 @@ at::Tensor contiguousOut(const at::Tensor& o) {
   return o.is_contiguous() ? o : at::empty_like(o, at::MemoryFormat::Contiguous);
 }
 
-// The transport of an op's bytes (comm.shm: the backend built a shared-memory domain for this
-// rank's same-host ranks, XIRANG_TRANSPORT_LOCAL). The collectives below run over shared memory
-// when the domain holds every rank of the op's ring (the group, or its live ranks, on one host)
-// and over comm.link otherwise; the results are bitwise the same (core/algorithms/shm.h).
-// Allreduce goes to shm::allreduceOp whenever there is a domain: it also runs the host level of
-// the two-level allreduce over shared memory, and hands every other case to the engine.
-transport::ShmDomain* oneHost(const Comm& comm) {
-  if (comm.shm == nullptr || comm.size() <= 1) return nullptr;
-  std::vector<int> ranks = comm.ring;
-  std::sort(ranks.begin(), ranks.end());
-  return ranks == comm.shm->ranks() ? comm.shm : nullptr;
-}
-
+// Every operation below runs on the collectives of its transport (core/planner.h:
+// collectivesFor): shared memory for same-host ranks (comm.shm), else comm.link.
 void allgatherBlocks(const Comm& comm, const OpCtx& ctx, const std::vector<RecvSeg>& blocks) {
-  if (auto* d = oneHost(comm)) return shm::allgather(comm, *d, ctx, blocks);
-  xirang::allgather(comm, ctx, blocks);
+  collectivesFor(comm).allgather(comm, ctx, blocks);
 }
 
 }  // namespace
 
 void reduceAll(const Comm& comm, const OpCtx& ctx, at::Tensor& buf, ReduceOp op, double premul) {
   const DType dtype = toDType(buf.scalar_type());
-  if (comm.shm != nullptr && comm.size() > 1)
-    shm::allreduceOp(comm, *comm.shm, ctx, buf.data_ptr(), buf.numel(), dtype, op, premul);
-  else
-    allreduceOp(comm, ctx, buf.data_ptr(), buf.numel(), dtype, op, premul);  // core/planner.h
+  collectivesFor(comm).allreduce(comm, ctx, buf.data_ptr(), buf.numel(), dtype, op, premul);  // core/planner.h
 }
 
 void allreduce(const Comm& comm, const OpCtx& ctx, const at::Tensor& t, ReduceOp op, double premul) {
@@ -208,14 +192,9 @@ void allreduceSparse(const Comm& comm, const OpCtx& ctx, const at::Tensor& t, in
 
 void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, const at::Tensor& buffer, const at::Tensor& residual,
                      const at::Tensor& staged, const std::vector<at::Tensor>& plain) {
-  // One host: fp32 through shared memory (shm::allreduceEF: no rounding, the residual becomes 0);
-  // otherwise the BF16 ring.
-  if (auto* d = oneHost(comm))
-    shm::allreduceEF(comm, *d, ctx, buffer.data_ptr<float>(), residual.data_ptr<float>(), staged.data_ptr<float>(),
-                     buffer.numel());
-  else
-    xirang::allreduceBF16EF(comm, ctx, buffer.data_ptr<float>(), residual.data_ptr<float>(),
-                            staged.data_ptr<float>(), buffer.numel());
+  // The BF16 ring; on one host fp32 through shared memory (no rounding, the residual becomes 0).
+  collectivesFor(comm).allreduceEF(comm, ctx, buffer.data_ptr<float>(), residual.data_ptr<float>(),
+                                   staged.data_ptr<float>(), buffer.numel());
   // The group's other tensors (biases, norms, 16-bit or fp64 gradients): averaged in their own
   // dtype within the same operation, so a layer group costs one launch.
   for (const auto& t : plain) {
@@ -227,10 +206,7 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, const at::Tensor& buffe
 
 void broadcast(const Comm& comm, const OpCtx& ctx, const at::Tensor& t, int root) {
   Contiguous s(t);
-  if (auto* d = oneHost(comm))
-    shm::broadcast(comm, *d, ctx, s.buf.data_ptr(), nbytes(s.buf), root);
-  else
-    xirang::broadcast(comm, ctx, s.buf.data_ptr(), nbytes(s.buf), root);
+  collectivesFor(comm).broadcast(comm, ctx, s.buf.data_ptr(), nbytes(s.buf), root);
   if (comm.rank != root) s.finish();
 }
 
@@ -302,10 +278,7 @@ void reduceScatterBase(const Comm& comm, const OpCtx& ctx, const at::Tensor& out
   const uint64_t b = static_cast<uint64_t>(output.numel()) * buf.element_size();
   std::vector<RecvSeg> blocks;
   for (int r = 0; r < size; ++r) blocks.push_back(RecvSeg{static_cast<uint8_t*>(buf.data_ptr()) + b * r, b});
-  if (auto* d = oneHost(comm))
-    shm::reduceScatter(comm, *d, ctx, blocks, wire, sc.wire_op);
-  else
-    xirang::reduceScatter(comm, ctx, blocks, wire, sc.wire_op);
+  collectivesFor(comm).reduceScatter(comm, ctx, blocks, wire, sc.wire_op);
   at::Tensor mine = buf.narrow(0, output.numel() * comm.rank, output.numel());
   output.copy_(mine.view(output.sizes()));
 }
@@ -327,10 +300,7 @@ void alltoallBase(const Comm& comm, const OpCtx& ctx, const at::Tensor& output, 
     ioff += ib;
     ooff += ob;
   }
-  if (auto* d = oneHost(comm))
-    shm::alltoall(comm, *d, ctx, sends, recvs);
-  else
-    xirang::alltoall(comm, ctx, sends, recvs);
+  collectivesFor(comm).alltoall(comm, ctx, sends, recvs);
   so.finish();
 }
 
@@ -345,10 +315,7 @@ void alltoall(const Comm& comm, const OpCtx& ctx, const std::vector<at::Tensor>&
     sends.push_back(SendSeg{in_c[r].data_ptr(), nbytes(in_c[r])});
     recvs.push_back(RecvSeg{out_c[r].data_ptr(), nbytes(out_c[r])});
   }
-  if (auto* d = oneHost(comm))
-    shm::alltoall(comm, *d, ctx, sends, recvs);
-  else
-    xirang::alltoall(comm, ctx, sends, recvs);
+  collectivesFor(comm).alltoall(comm, ctx, sends, recvs);
   for (int r = 0; r < size; ++r)
     if (!out_c[r].is_same(outs[r])) outs[r].copy_(out_c[r]);
 }
@@ -361,10 +328,7 @@ void gather(const Comm& comm, const OpCtx& ctx, const at::Tensor& in, const std:
     oc.push_back(contiguousOut(o));
     blocks.push_back(RecvSeg{oc.back().data_ptr(), nbytes(oc.back())});
   }
-  if (auto* d = oneHost(comm))
-    shm::gather(comm, *d, ctx, SendSeg{ic.data_ptr(), nbytes(ic)}, blocks, root);
-  else
-    xirang::gather(comm, ctx, SendSeg{ic.data_ptr(), nbytes(ic)}, blocks, root);
+  collectivesFor(comm).gather(comm, ctx, SendSeg{ic.data_ptr(), nbytes(ic)}, blocks, root);
   for (size_t r = 0; r < outs.size(); ++r)
     if (!oc[r].is_same(outs[r])) outs[r].copy_(oc[r]);
 }
@@ -377,17 +341,12 @@ void scatter(const Comm& comm, const OpCtx& ctx, const at::Tensor& out, const st
     blocks.push_back(SendSeg{ic.back().data_ptr(), nbytes(ic.back())});
   }
   Contiguous so(out);
-  if (auto* d = oneHost(comm))
-    shm::scatter(comm, *d, ctx, blocks, RecvSeg{so.buf.data_ptr(), nbytes(so.buf)}, root);
-  else
-    xirang::scatter(comm, ctx, blocks, RecvSeg{so.buf.data_ptr(), nbytes(so.buf)}, root);
+  collectivesFor(comm).scatter(comm, ctx, blocks, RecvSeg{so.buf.data_ptr(), nbytes(so.buf)}, root);
   so.finish();
 }
 
 void barrier(const Comm& comm, const OpCtx& ctx) {
-  if (auto* d = oneHost(comm)) return shm::barrier(comm, *d, ctx);
-  uint8_t one = 1;
-  xirang::allreduce(comm, ctx, &one, 1, DType::UInt8, ReduceOp::Max);
+  collectivesFor(comm).barrier(comm, ctx);
 }
 
 }  // namespace xirang::host

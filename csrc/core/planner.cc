@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "core/algorithms/shm.h"
 #include "core/reduce.h"
 
 namespace xirang {
@@ -79,6 +80,56 @@ void allreduceOp(const Comm& comm, const AllreduceImpl& impl, void* data, int64_
       impl.native(data, numel, dtype, p.wire_op);
       return;
   }
+}
+
+namespace {
+class LinkCollectives final : public Collectives {
+ public:
+  void allreduce(const Comm& c, const OpCtx& ctx, void* data, int64_t numel, DType dtype, ReduceOp op,
+                 double premul) const override {
+    allreduceOp(c, ctx, data, numel, dtype, op, premul);
+  }
+  void allreduceEF(const Comm& c, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
+                   int64_t n) const override {
+    allreduceBF16EF(c, ctx, x, r_in, r_out, n);
+  }
+  void reduceScatter(const Comm& c, const OpCtx& ctx, const std::vector<transport::RecvSeg>& blocks, DType wire,
+                     ReduceOp op) const override {
+    xirang::reduceScatter(c, ctx, blocks, wire, op);
+  }
+  void allgather(const Comm& c, const OpCtx& ctx, const std::vector<transport::RecvSeg>& blocks) const override {
+    xirang::allgather(c, ctx, blocks);
+  }
+  void broadcast(const Comm& c, const OpCtx& ctx, void* data, uint64_t bytes, int root) const override {
+    xirang::broadcast(c, ctx, data, bytes, root);
+  }
+  void alltoall(const Comm& c, const OpCtx& ctx, const std::vector<transport::SendSeg>& sends,
+                const std::vector<transport::RecvSeg>& recvs) const override {
+    xirang::alltoall(c, ctx, sends, recvs);
+  }
+  void gather(const Comm& c, const OpCtx& ctx, transport::SendSeg mine, const std::vector<transport::RecvSeg>& blocks,
+              int root) const override {
+    xirang::gather(c, ctx, mine, blocks, root);
+  }
+  void scatter(const Comm& c, const OpCtx& ctx, const std::vector<transport::SendSeg>& blocks,
+               transport::RecvSeg mine, int root) const override {
+    xirang::scatter(c, ctx, blocks, mine, root);
+  }
+  // A barrier is the allreduce of one byte.
+  void barrier(const Comm& c, const OpCtx& ctx) const override {
+    uint8_t one = 1;
+    xirang::allreduce(c, ctx, &one, 1, DType::UInt8, ReduceOp::Max);
+  }
+};
+}  // namespace
+
+const Collectives& linkCollectives() {
+  static const LinkCollectives link;
+  return link;
+}
+
+const Collectives& collectivesFor(const Comm& comm) {
+  return comm.shm != nullptr && comm.size() > 1 ? shm::collectives() : linkCollectives();
 }
 
 }  // namespace xirang

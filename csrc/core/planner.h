@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "core/collectives.h"
 #include "core/dtype.h"
@@ -60,5 +61,35 @@ struct AllreduceImpl {
 // allreduceOp with the algorithms of `impl`: the same checks, plan, widening and scaling.
 void allreduceOp(const Comm& comm, const AllreduceImpl& impl, void* data, int64_t numel, DType dtype, ReduceOp op,
                  double premul = 1.0);
+
+// The collectives of one operation, by the transport that carries its bytes: the engine's over
+// comm.link (collectives.h: linkCollectives) or those over shared memory (algorithms/shm.h:
+// shm::collectives) when comm.shm is set. collectivesFor is the one place that chooses; the
+// backend calls what it returns. Arguments, results and errors as the collectives.h functions
+// of the same names (allreduce: allreduceOp above; allreduceEF: allreduceBF16EF's contract, which
+// over shared memory is the exact fp32 average with a zero residual: shm.h's allreduceEF).
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  virtual void allreduce(const Comm& c, const OpCtx& ctx, void* data, int64_t numel, DType dtype, ReduceOp op,
+                         double premul) const = 0;
+  virtual void allreduceEF(const Comm& c, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
+                           int64_t n) const = 0;
+  virtual void reduceScatter(const Comm& c, const OpCtx& ctx, const std::vector<transport::RecvSeg>& blocks,
+                             DType wire, ReduceOp op) const = 0;
+  virtual void allgather(const Comm& c, const OpCtx& ctx, const std::vector<transport::RecvSeg>& blocks) const = 0;
+  virtual void broadcast(const Comm& c, const OpCtx& ctx, void* data, uint64_t bytes, int root) const = 0;
+  virtual void alltoall(const Comm& c, const OpCtx& ctx, const std::vector<transport::SendSeg>& sends,
+                        const std::vector<transport::RecvSeg>& recvs) const = 0;
+  virtual void gather(const Comm& c, const OpCtx& ctx, transport::SendSeg mine,
+                      const std::vector<transport::RecvSeg>& blocks, int root) const = 0;
+  virtual void scatter(const Comm& c, const OpCtx& ctx, const std::vector<transport::SendSeg>& blocks,
+                       transport::RecvSeg mine, int root) const = 0;
+  virtual void barrier(const Comm& c, const OpCtx& ctx) const = 0;
+};
+// The engine's collectives over comm.link (a stateless singleton).
+const Collectives& linkCollectives();
+// shm::collectives() when comm.shm is set and comm has more than one rank, else linkCollectives().
+const Collectives& collectivesFor(const Comm& comm);
 
 }  // namespace xirang

@@ -24,6 +24,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -233,6 +234,37 @@ int64_t offReference(DType dt, ReduceOp op, const std::vector<std::vector<uint8_
   }
   return bad;
 }
+
+// hosts x per ranks as threads: a shared-memory domain per host (ranks h*per .. h*per+per-1),
+// the in-process link across all of them, and per rank a Comm with the two-level plan set
+// (comm.shm left null: the tests choose).
+struct TwoHosts {
+  InprocGroup g;
+  MemStore store;
+  std::vector<std::unique_ptr<ShmDomain>> dom;
+  std::vector<Comm> comm;
+  TwoHosts(int hosts, int per) : g(hosts * per), dom(static_cast<size_t>(hosts * per)) {
+    const int n = hosts * per;
+    const std::string prefix = uniquePrefix("two");
+    xirang_test::runRanks(n, [&](int r) {
+      const int h = r / per;
+      std::vector<int> local;
+      for (int k = 0; k < per; ++k) local.push_back(h * per + k);
+      ShmOptions o;
+      o.slot_bytes = 32 << 10;
+      o.name_prefix = prefix;
+      o.key_prefix = "test/shm/host" + std::to_string(h);
+      dom[static_cast<size_t>(r)] = ShmDomain::create(r, local, store, o, after(milliseconds(20000)));
+    });
+    for (int r = 0; r < n; ++r) {
+      Comm c = g.comm(r);
+      const int h = r / per, j = r % per;
+      for (int k = 0; k < per; ++k) c.local_group.push_back(h * per + k);
+      for (int k = 0; k < hosts; ++k) c.cross_group.push_back(k * per + j);
+      comm.push_back(c);
+    }
+  }
+};
 
 }  // namespace
 
@@ -630,28 +662,10 @@ TEST_CASE("shm: two-level allreduce with shared memory inside each host is bitwi
   const int hosts = 2;
   const int per = GENERATE(2, 3);
   const int n = hosts * per;
-  InprocGroup g(n);
-  MemStore store;
-  std::vector<std::unique_ptr<ShmDomain>> dom(static_cast<size_t>(n));
-  const std::string prefix = uniquePrefix("two");
-  xirang_test::runRanks(n, [&](int r) {
-    const int h = r / per;
-    std::vector<int> local;
-    for (int k = 0; k < per; ++k) local.push_back(h * per + k);
-    ShmOptions o;
-    o.slot_bytes = 32 << 10;
-    o.name_prefix = prefix;
-    o.key_prefix = "test/shm/host" + std::to_string(h);
-    dom[static_cast<size_t>(r)] = ShmDomain::create(r, local, store, o, after(milliseconds(20000)));
-  });
-  std::vector<Comm> comm;
-  for (int r = 0; r < n; ++r) {
-    Comm c = g.comm(r);
-    const int h = r / per, j = r % per;
-    for (int k = 0; k < per; ++k) c.local_group.push_back(h * per + k);
-    for (int k = 0; k < hosts; ++k) c.cross_group.push_back(k * per + j);
-    comm.push_back(c);
-  }
+  TwoHosts th(hosts, per);
+  InprocGroup& g = th.g;
+  std::vector<std::unique_ptr<ShmDomain>>& dom = th.dom;
+  std::vector<Comm>& comm = th.comm;
   std::vector<std::string> failures;
   uint64_t seq = 0;
   for (DType dt : {DType::Float32, DType::BFloat16}) {
@@ -686,6 +700,80 @@ TEST_CASE("shm: two-level allreduce with shared memory inside each host is bitwi
     if (offReference(dt, ReduceOp::Avg, in, s[0], numel) != 0) failures.push_back("off the fp64 reference");
   }
   for (size_t i = 0; i < std::min<size_t>(failures.size(), 20); ++i) UNSCOPED_INFO(failures[i]);
+  CHECK(failures.empty());
+}
+
+TEST_CASE("shm: collectivesFor chooses the transport: shared memory for a ring inside one host, the link's "
+          "engine for the rest of a multi-host group, two-level with its host level over shared memory",
+          "[shm][planner]") {
+  const int hosts = 2, per = 2, n = hosts * per;
+  TwoHosts th(hosts, per);
+  std::vector<std::string> failures;
+  std::mutex mu;  // fail() is called from the rank threads
+  auto fail = [&](int r, const std::string& what) {
+    std::lock_guard<std::mutex> g(mu);
+    failures.push_back("rank " + std::to_string(r) + ": " + what);
+  };
+  const uint64_t bytes = 1000;  // per block
+  const int64_t numel = 300007;  // above the small-message size: the two-level plan
+  std::vector<std::vector<uint8_t>> whole(n), local(n), ar(n), ar_in(n);
+  std::vector<xirang::Phases> ph_whole(n), ph_local(n), ph_ar(n);
+  for (int r = 0; r < n; ++r) ar_in[static_cast<size_t>(r)] = makeInput(DType::Float32, r, numel, 91);
+  xirang_test::runRanks(n, [&](int r) {
+    const size_t i = static_cast<size_t>(r);
+    Comm c = th.comm[i];
+    if (&xirang::collectivesFor(c) != &xirang::linkCollectives()) fail(r, "no domain, yet not the link's collectives");
+    c.shm = th.dom[i].get();
+    if (&xirang::collectivesFor(c) != &xirang::shm::collectives()) fail(r, "a domain, yet not the shm collectives");
+    Comm lc = c;  // this host's ranks only
+    lc.ring = c.local_group;
+    lc.local_group.clear();
+    lc.cross_group.clear();
+    try {
+      // The whole group's allgather: its ring leaves the host, so over the link.
+      whole[i].assign(bytes * n, 0);
+      std::memset(whole[i].data() + bytes * i, 1 + r, bytes);
+      std::vector<tp::RecvSeg> blocks;
+      for (int q = 0; q < n; ++q) blocks.push_back(tp::RecvSeg{whole[i].data() + bytes * q, bytes});
+      OpCtx x = ctxFor(tp::OpKind::Allgather, DType::UInt8, ReduceOp::None, bytes, 1);
+      x.phases = &ph_whole[i];
+      xirang::collectivesFor(c).allgather(c, x, blocks);
+      // The host's allgather: its ring is the domain, so over shared memory (blocks by group rank).
+      local[i].assign(bytes * n, 0);
+      std::memset(local[i].data() + bytes * i, 1 + r, bytes);
+      std::vector<tp::RecvSeg> lblocks(n, tp::RecvSeg{nullptr, 0});
+      for (int q : lc.ring) lblocks[static_cast<size_t>(q)] = tp::RecvSeg{local[i].data() + bytes * q, bytes};
+      OpCtx y = ctxFor(tp::OpKind::Allgather, DType::UInt8, ReduceOp::None, bytes, 2);
+      y.phases = &ph_local[i];
+      xirang::collectivesFor(lc).allgather(lc, y, lblocks);
+      // The group's allreduce: two-level, the host level over shared memory.
+      ar[i] = ar_in[i];
+      OpCtx z = ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, static_cast<uint64_t>(numel), 3);
+      z.phases = &ph_ar[i];
+      xirang::collectivesFor(c).allreduce(c, z, ar[i].data(), numel, DType::Float32, ReduceOp::Sum, 1.0);
+      xirang::collectivesFor(c).barrier(c, ctxFor(tp::OpKind::Barrier, DType::Bytes, ReduceOp::None, 0, 4));
+    } catch (const std::exception& e) {
+      th.dom[i]->abort(e.what());
+      th.g.hub.link(r).abort(e.what());
+      throw;
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    const size_t i = static_cast<size_t>(r);
+    for (int q = 0; q < n; ++q) {
+      const uint8_t want_local = q / per == r / per ? static_cast<uint8_t>(1 + q) : 0;
+      for (uint64_t b = 0; b < bytes; ++b) {
+        if (whole[i][bytes * q + b] != 1 + q) { fail(r, "whole-group allgather block " + std::to_string(q)); break; }
+        if (local[i][bytes * q + b] != want_local) { fail(r, "host allgather block " + std::to_string(q)); break; }
+      }
+    }
+    if (ph_whole[i].bytes_shm != 0 || ph_whole[i].bytes_sent == 0) fail(r, "the multi-host allgather did not go over the link");
+    if (ph_local[i].bytes_shm == 0 || ph_local[i].bytes_sent != 0) fail(r, "the host allgather did not go over shared memory");
+    if (std::string(ph_ar[i].algorithm) != "shm_two_level") fail(r, std::string("allreduce ran ") + ph_ar[i].algorithm);
+    if (ar[i] != ar[0]) fail(r, "allreduce differs from rank 0's");
+  }
+  if (offReference(DType::Float32, ReduceOp::Sum, ar_in, ar[0], numel) != 0) failures.push_back("allreduce off the fp64 reference");
+  for (size_t k = 0; k < std::min<size_t>(failures.size(), 20); ++k) UNSCOPED_INFO(failures[k]);
   CHECK(failures.empty());
 }
 

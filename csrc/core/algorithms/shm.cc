@@ -649,4 +649,60 @@ void allreduceEF(const Comm& comm, ShmDomain& d, const OpCtx& ctx, float* x, con
   std::fill(r_out, r_out + n, 0.0f);
 }
 
+namespace {
+// Over shared memory when comm.shm holds the whole ring, else the engine's over comm.link.
+class ShmCollectives final : public Collectives {
+ public:
+  void allreduce(const Comm& c, const OpCtx& ctx, void* data, int64_t numel, DType dtype, ReduceOp op,
+                 double premul) const override {
+    allreduceOp(c, *c.shm, ctx, data, numel, dtype, op, premul);
+  }
+  void allreduceEF(const Comm& c, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
+                   int64_t n) const override {
+    if (!whole(c)) return linkCollectives().allreduceEF(c, ctx, x, r_in, r_out, n);
+    shm::allreduceEF(c, *c.shm, ctx, x, r_in, r_out, n);
+  }
+  void reduceScatter(const Comm& c, const OpCtx& ctx, const std::vector<RecvSeg>& blocks, DType wire,
+                     ReduceOp op) const override {
+    if (!whole(c)) return linkCollectives().reduceScatter(c, ctx, blocks, wire, op);
+    shm::reduceScatter(c, *c.shm, ctx, blocks, wire, op);
+  }
+  void allgather(const Comm& c, const OpCtx& ctx, const std::vector<RecvSeg>& blocks) const override {
+    if (!whole(c)) return linkCollectives().allgather(c, ctx, blocks);
+    shm::allgather(c, *c.shm, ctx, blocks);
+  }
+  void broadcast(const Comm& c, const OpCtx& ctx, void* data, uint64_t bytes, int root) const override {
+    if (!whole(c)) return linkCollectives().broadcast(c, ctx, data, bytes, root);
+    shm::broadcast(c, *c.shm, ctx, data, bytes, root);
+  }
+  void alltoall(const Comm& c, const OpCtx& ctx, const std::vector<SendSeg>& sends,
+                const std::vector<RecvSeg>& recvs) const override {
+    if (!whole(c)) return linkCollectives().alltoall(c, ctx, sends, recvs);
+    shm::alltoall(c, *c.shm, ctx, sends, recvs);
+  }
+  void gather(const Comm& c, const OpCtx& ctx, SendSeg mine, const std::vector<RecvSeg>& blocks,
+              int root) const override {
+    if (!whole(c)) return linkCollectives().gather(c, ctx, mine, blocks, root);
+    shm::gather(c, *c.shm, ctx, mine, blocks, root);
+  }
+  void scatter(const Comm& c, const OpCtx& ctx, const std::vector<SendSeg>& blocks, RecvSeg mine,
+               int root) const override {
+    if (!whole(c)) return linkCollectives().scatter(c, ctx, blocks, mine, root);
+    shm::scatter(c, *c.shm, ctx, blocks, mine, root);
+  }
+  void barrier(const Comm& c, const OpCtx& ctx) const override {
+    if (!whole(c)) return linkCollectives().barrier(c, ctx);
+    shm::barrier(c, *c.shm, ctx);
+  }
+
+ private:
+  static bool whole(const Comm& c) { return c.shm != nullptr && covers(c.ring, *c.shm); }
+};
+}  // namespace
+
+const Collectives& collectives() {
+  static const ShmCollectives shm;
+  return shm;
+}
+
 }  // namespace xirang::shm

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "core/collectives.h"
+#include "core/planner.h"
 #include "core/transport/shm.h"
 
 namespace xirang::shm {
@@ -102,5 +103,11 @@ void barrier(const Comm& comm, ShmDomain& d, const OpCtx& ctx);
 // fp32 rounding, as on the compressed ring.
 void allreduceEF(const Comm& comm, ShmDomain& d, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
                  int64_t n);
+
+// planner.h's Collectives over comm.shm (collectivesFor returns it when comm.shm is set): every
+// operation over shared memory when the domain holds all of comm.ring; where it holds only part
+// (several hosts), allreduce as allreduceOp above (the host level of two-level over shared
+// memory) and every other operation linkCollectives()'s over comm.link.
+const Collectives& collectives();
 
 }  // namespace xirang::shm
