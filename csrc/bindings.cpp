@@ -66,8 +66,21 @@ void codecDevices(std::initializer_list<const at::Tensor*> ts) {
 #endif
 }
 
+// Runs codec function FN on the device of tensor T: xirang::cuda::FN on the current stream for a
+// CUDA tensor, xirang::codec::FN (core/codec) otherwise; the arguments are FN's, without the stream.
 #ifdef XIRANG_WITH_CUDA
 void cudaOk(cudaError_t e) { TORCH_CHECK(e == cudaSuccess, "xirang codec kernel launch: ", cudaGetErrorString(e)); }
+#define XR_CODEC_RUN(T, FN, ...)                                                  \
+  do {                                                                            \
+    if ((T).is_cuda()) {                                                          \
+      c10::cuda::CUDAGuard g((T).device());                                       \
+      cudaOk(xirang::cuda::FN(__VA_ARGS__, c10::cuda::getCurrentCUDAStream()));   \
+    } else {                                                                      \
+      xirang::codec::FN(__VA_ARGS__);                                             \
+    }                                                                             \
+  } while (0)
+#else
+#define XR_CODEC_RUN(T, FN, ...) xirang::codec::FN(__VA_ARGS__)
 #endif
 
 uint16_t* bf(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
@@ -77,14 +90,7 @@ at::Tensor codecEncode(const at::Tensor& x) {
   codecCheck(x, at::kFloat, "x");
   codecDevices({&x});
   at::Tensor out = at::empty_like(x, x.options().dtype(at::kBFloat16));
-#ifdef XIRANG_WITH_CUDA
-  if (x.is_cuda()) {
-    c10::cuda::CUDAGuard g(x.device());
-    cudaOk(xirang::cuda::encode(x.data_ptr<float>(), bf(out), x.numel(), c10::cuda::getCurrentCUDAStream()));
-    return out;
-  }
-#endif
-  xirang::codec::encode(x.data_ptr<float>(), bf(out), x.numel());
+  XR_CODEC_RUN(x, encode, x.data_ptr<float>(), bf(out), x.numel());
   return out;
 }
 
@@ -93,14 +99,7 @@ at::Tensor codecDecode(const at::Tensor& in) {
   codecCheck(in, at::kBFloat16, "in");
   codecDevices({&in});
   at::Tensor out = at::empty_like(in, in.options().dtype(at::kFloat));
-#ifdef XIRANG_WITH_CUDA
-  if (in.is_cuda()) {
-    c10::cuda::CUDAGuard g(in.device());
-    cudaOk(xirang::cuda::decode(bf(in), out.data_ptr<float>(), in.numel(), c10::cuda::getCurrentCUDAStream()));
-    return out;
-  }
-#endif
-  xirang::codec::decode(bf(in), out.data_ptr<float>(), in.numel());
+  XR_CODEC_RUN(in, decode, bf(in), out.data_ptr<float>(), in.numel());
   return out;
 }
 
@@ -109,14 +108,7 @@ void codecDecodeAccumulate(const at::Tensor& in, at::Tensor& acc) {
   codecCheck(in, at::kBFloat16, "in");
   codecCheck(acc, at::kFloat, "acc");
   codecDevices({&in, &acc});
-#ifdef XIRANG_WITH_CUDA
-  if (in.is_cuda()) {
-    c10::cuda::CUDAGuard g(in.device());
-    cudaOk(xirang::cuda::decodeAccumulate(bf(in), acc.data_ptr<float>(), in.numel(), c10::cuda::getCurrentCUDAStream()));
-    return;
-  }
-#endif
-  xirang::codec::decodeAccumulate(bf(in), acc.data_ptr<float>(), in.numel());
+  XR_CODEC_RUN(in, decodeAccumulate, bf(in), acc.data_ptr<float>(), in.numel());
 }
 
 // (out, r_out) of encodeEF; r_out and out are new tensors unless given (aliases allowed as in codec.h).
@@ -130,16 +122,8 @@ std::pair<at::Tensor, at::Tensor> codecEncodeEF(const at::Tensor& x, double scal
   codecCheck(out, at::kBFloat16, "out");
   codecDevices({&x, &r_in, &r_out, &out});
   const float sc = static_cast<float>(scale);
-#ifdef XIRANG_WITH_CUDA
-  if (x.is_cuda()) {
-    c10::cuda::CUDAGuard g(x.device());
-    cudaOk(xirang::cuda::encodeEF(x.data_ptr<float>(), sc, r_in.data_ptr<float>(), r_out.data_ptr<float>(), bf(out),
-                                  x.numel(), c10::cuda::getCurrentCUDAStream()));
-    return {out, r_out};
-  }
-#endif
-  xirang::codec::encodeEF(x.data_ptr<float>(), sc, r_in.data_ptr<float>(), r_out.data_ptr<float>(), bf(out),
-                          x.numel());
+  XR_CODEC_RUN(x, encodeEF, x.data_ptr<float>(), sc, r_in.data_ptr<float>(), r_out.data_ptr<float>(), bf(out),
+               x.numel());
   return {out, r_out};
 }
 
@@ -156,19 +140,12 @@ std::pair<at::Tensor, at::Tensor> codecAccumulateEncodeEF(const at::Tensor& in, 
   codecCheck(out, at::kBFloat16, "out");
   codecDevices({&in, &x, &r_in, &r_out, &out});
   const float sc = static_cast<float>(scale);
-#ifdef XIRANG_WITH_CUDA
-  if (x.is_cuda()) {
-    c10::cuda::CUDAGuard g(x.device());
-    cudaOk(xirang::cuda::accumulateEncodeEF(bf(in), x.data_ptr<float>(), sc, r_in.data_ptr<float>(),
-                                            r_out.data_ptr<float>(), bf(out), x.numel(),
-                                            c10::cuda::getCurrentCUDAStream()));
-    return {out, r_out};
-  }
-#endif
-  xirang::codec::accumulateEncodeEF(bf(in), x.data_ptr<float>(), sc, r_in.data_ptr<float>(), r_out.data_ptr<float>(),
-                                    bf(out), x.numel());
+  XR_CODEC_RUN(x, accumulateEncodeEF, bf(in), x.data_ptr<float>(), sc, r_in.data_ptr<float>(),
+               r_out.data_ptr<float>(), bf(out), x.numel());
   return {out, r_out};
 }
+
+#undef XR_CODEC_RUN
 
 }  // namespace
 

@@ -24,8 +24,6 @@ DeviceEngines::DeviceEngines() {
 #endif
 }
 
-DeviceEngines::~DeviceEngines() = default;
-
 std::shared_ptr<OpStage> DeviceEngines::stageFor(const std::vector<at::Tensor>& tensors) {
   if (cuda_)
     for (const auto& t : tensors)

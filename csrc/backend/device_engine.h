@@ -73,7 +73,6 @@ class DeviceEngine {
 class DeviceEngines {
  public:
   DeviceEngines();
-  ~DeviceEngines();
   DeviceEngines(const DeviceEngines&) = delete;
   DeviceEngines& operator=(const DeviceEngines&) = delete;
 

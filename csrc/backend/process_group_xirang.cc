@@ -299,12 +299,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce(std::vector<at::Tensor
                  stage, [this, t, op, premul, root](OpCtx& ctx) { host::reduce(comm(), ctx, t, op, premul, root); });
 }
 
+namespace {
+// The stage of an op from one input tensor into one output tensor (the *_base ops), and the two
+// bound to it (input copied in, output copied out), checked for `name`: dense, one dtype.
+std::shared_ptr<OpStage> bindPair(DeviceEngines& engines, int rank, const char* name, at::Tensor& output_,
+                                  at::Tensor& input_, at::Tensor& output, at::Tensor& input) {
+  auto stage = engines.stageFor({output_, input_});
+  output = stage->bind(output_, false, true);
+  input = stage->bind(input_, true, false);
+  checkTensors(rank, name, {output, input});
+  checkSameType(rank, name, output, input);
+  return stage;
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_allgather_base(at::Tensor& output_, at::Tensor& input_,
                                                                    const c10d::AllgatherOptions& opts) {
-  auto stage = engines_.stageFor({output_, input_});
-  at::Tensor output = stage->bind(output_, false, true), input = stage->bind(input_, true, false);
-  checkTensors(rank_, "allgather_into_tensor", {output, input});
-  checkSameType(rank_, "allgather_into_tensor", output, input);
+  at::Tensor output, input;
+  auto stage = bindPair(engines_, rank_, "allgather_into_tensor", output_, input_, output, input);
   XR_CHECK(rank_, output.numel() == input.numel() * size_, "allgather_into_tensor: output has ", output.numel(),
            " elements, expected world size ", size_, " x input ", input.numel());
   return enqueue({.type = c10d::OpType::_ALLGATHER_BASE, .title = "xirang:all_gather_into_tensor",
@@ -387,23 +399,31 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_coalesced(std::vect
                  });
 }
 
+namespace {
+// The *_tensor_coalesced ops: one op per (output, input) pair, through `one`. Ops complete in
+// queue order, so the last Work completes after all of them.
+template <class One>
+c10::intrusive_ptr<c10d::Work> eachPair(int rank, const char* name, std::vector<at::Tensor>& outputs,
+                                        std::vector<at::Tensor>& inputs, One&& one) {
+  XR_CHECK(rank, outputs.size() == inputs.size() && !inputs.empty(), name, ": ", outputs.size(), " outputs for ",
+           inputs.size(), " inputs");
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t i = 0; i < inputs.size(); ++i) last = one(outputs[i], inputs[i]);
+  return last;
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                    std::vector<at::Tensor>& inputs,
                                                                                    const c10d::AllgatherOptions& opts) {
-  XR_CHECK(rank_, outputs.size() == inputs.size() && !inputs.empty(), "allgather_into_tensor_coalesced: ",
-           outputs.size(), " outputs for ", inputs.size(), " inputs");
-  // Ops complete in queue order, so the last Work completes after all of them.
-  c10::intrusive_ptr<c10d::Work> last;
-  for (size_t i = 0; i < inputs.size(); ++i) last = _allgather_base(outputs[i], inputs[i], opts);
-  return last;
+  return eachPair(rank_, "allgather_into_tensor_coalesced", outputs, inputs,
+                  [&](at::Tensor& o, at::Tensor& i) { return _allgather_base(o, i, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_reduce_scatter_base(at::Tensor& output_, at::Tensor& input_,
                                                                         const c10d::ReduceScatterOptions& opts) {
-  auto stage = engines_.stageFor({output_, input_});
-  at::Tensor output = stage->bind(output_, false, true), input = stage->bind(input_, true, false);
-  checkTensors(rank_, "reduce_scatter_tensor", {output, input});
-  checkSameType(rank_, "reduce_scatter_tensor", output, input);
+  at::Tensor output, input;
+  auto stage = bindPair(engines_, rank_, "reduce_scatter_tensor", output_, input_, output, input);
   XR_CHECK(rank_, input.numel() == output.numel() * size_, "reduce_scatter_tensor: input has ", input.numel(),
            " elements, expected world size ", size_, " x output ", output.numel());
   const ReduceOp op = toReduceOp(opts.reduceOp);
@@ -442,21 +462,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce_scatter(std::vector<at
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                    std::vector<at::Tensor>& inputs,
                                                                                    const c10d::ReduceScatterOptions& opts) {
-  XR_CHECK(rank_, outputs.size() == inputs.size() && !inputs.empty(), "reduce_scatter_tensor_coalesced: ",
-           outputs.size(), " outputs for ", inputs.size(), " inputs");
-  c10::intrusive_ptr<c10d::Work> last;
-  for (size_t i = 0; i < inputs.size(); ++i) last = _reduce_scatter_base(outputs[i], inputs[i], opts);
-  return last;
+  return eachPair(rank_, "reduce_scatter_tensor_coalesced", outputs, inputs,
+                  [&](at::Tensor& o, at::Tensor& i) { return _reduce_scatter_base(o, i, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall_base(at::Tensor& output_, at::Tensor& input_,
                                                                  std::vector<int64_t>& outputSplits,
                                                                  std::vector<int64_t>& inputSplits,
                                                                  const c10d::AllToAllOptions& opts) {
-  auto stage = engines_.stageFor({output_, input_});
-  at::Tensor output = stage->bind(output_, false, true), input = stage->bind(input_, true, false);
-  checkTensors(rank_, "alltoall_base", {output, input});
-  checkSameType(rank_, "alltoall_base", output, input);
+  at::Tensor output, input;
+  auto stage = bindPair(engines_, rank_, "alltoall_base", output_, input_, output, input);
   auto in_rows = alltoallRows(rank_, size_, input, inputSplits, "input");
   auto out_rows = alltoallRows(rank_, size_, output, outputSplits, "output");
   return enqueue({.type = c10d::OpType::ALLTOALL_BASE, .title = "xirang:all_to_all", .kind = OpKind::Alltoall,

@@ -222,40 +222,48 @@ XR_AVX512 inline __mmask16 tailMask(int64_t rem) {
   return static_cast<__mmask16>((1u << rem) - 1u);
 }
 
-XR_AVX512 void encodeAVX512(const float* x, uint16_t* out, int64_t n) {
+// The 16-lane loop: full(i) for every whole block of 16 elements from i, then tail(i, k) for the
+// rest, k its lanes.
+template <class Full, class Tail>
+XR_AVX512 inline void lanes16(int64_t n, Full&& full, Tail&& tail) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), cvt16(_mm512_loadu_ps(x + i)));
-  }
-  if (i < n) {
-    const __mmask16 k = tailMask(n - i);
-    _mm256_mask_storeu_epi16(out + i, k, cvt16(_mm512_maskz_loadu_ps(k, x + i)));
-  }
+  for (; i + 16 <= n; i += 16) full(i);
+  if (i < n) tail(i, tailMask(n - i));
+}
+
+XR_AVX512 void encodeAVX512(const float* x, uint16_t* out, int64_t n) {
+  lanes16(
+      n,
+      [&](int64_t i) XR_AVX512 {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), cvt16(_mm512_loadu_ps(x + i)));
+      },
+      [&](int64_t i, __mmask16 k) XR_AVX512 {
+        _mm256_mask_storeu_epi16(out + i, k, cvt16(_mm512_maskz_loadu_ps(k, x + i)));
+      });
 }
 
 XR_AVX512 void decodeAVX512(const uint16_t* in, float* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    _mm512_storeu_ps(out + i,
-                     widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
-  }
-  if (i < n) {
-    const __mmask16 k = tailMask(n - i);
-    _mm512_mask_storeu_ps(out + i, k, widen16(_mm256_maskz_loadu_epi16(k, in + i)));
-  }
+  lanes16(
+      n,
+      [&](int64_t i) XR_AVX512 {
+        _mm512_storeu_ps(out + i, widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+      },
+      [&](int64_t i, __mmask16 k) XR_AVX512 {
+        _mm512_mask_storeu_ps(out + i, k, widen16(_mm256_maskz_loadu_epi16(k, in + i)));
+      });
 }
 
 XR_AVX512 void decodeAccumulateAVX512(const uint16_t* in, float* acc, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 d = widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)));
-    _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), d));
-  }
-  if (i < n) {
-    const __mmask16 k = tailMask(n - i);
-    const __m512 d = widen16(_mm256_maskz_loadu_epi16(k, in + i));
-    _mm512_mask_storeu_ps(acc + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, acc + i), d));
-  }
+  lanes16(
+      n,
+      [&](int64_t i) XR_AVX512 {
+        const __m512 d = widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)));
+        _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), d));
+      },
+      [&](int64_t i, __mmask16 k) XR_AVX512 {
+        const __m512 d = widen16(_mm256_maskz_loadu_epi16(k, in + i));
+        _mm512_mask_storeu_ps(acc + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, acc + i), d));
+      });
 }
 
 XR_AVX512 inline void encodeEF16(const float* x, __m512 vs, const float* r_in, float* r_out,
@@ -398,76 +406,51 @@ uint16_t f32ToBf16(float x) { return el::f32ToBf16(x); }
 
 float bf16ToF32(uint16_t b) { return el::bf16ToF32(b); }
 
+namespace {
+// The active path's form of a codec function (only the scalar form is built off x86-64, where
+// activePath() is always Scalar).
+template <class Fn>
+Fn pick(Fn avx512, Fn avx2, Fn scalar) {
+  switch (activePath()) {
+    case Path::AVX512BF16: return avx512;
+    case Path::AVX2: return avx2;
+    default: return scalar;
+  }
+}
+}  // namespace
+#if defined(__x86_64__)
+#define XR_PATHS(fn) fn##AVX512, fn##AVX2, fn##Scalar
+#else
+#define XR_PATHS(fn) fn##Scalar, fn##Scalar, fn##Scalar
+#endif
+
 void encode(const float* x, uint16_t* out, int64_t n) {
   checkN(n, "encode");
-  switch (activePath()) {
-#if defined(__x86_64__)
-    case Path::AVX512BF16:
-      return encodeAVX512(x, out, n);
-    case Path::AVX2:
-      return encodeAVX2(x, out, n);
-#endif
-    default:
-      return encodeScalar(x, out, n);
-  }
+  pick(XR_PATHS(encode))(x, out, n);
 }
 
 void decode(const uint16_t* in, float* out, int64_t n) {
   checkN(n, "decode");
-  switch (activePath()) {
-#if defined(__x86_64__)
-    case Path::AVX512BF16:
-      return decodeAVX512(in, out, n);
-    case Path::AVX2:
-      return decodeAVX2(in, out, n);
-#endif
-    default:
-      return decodeScalar(in, out, n);
-  }
+  pick(XR_PATHS(decode))(in, out, n);
 }
 
 void decodeAccumulate(const uint16_t* in, float* acc, int64_t n) {
   checkN(n, "decodeAccumulate");
-  switch (activePath()) {
-#if defined(__x86_64__)
-    case Path::AVX512BF16:
-      return decodeAccumulateAVX512(in, acc, n);
-    case Path::AVX2:
-      return decodeAccumulateAVX2(in, acc, n);
-#endif
-    default:
-      return decodeAccumulateScalar(in, acc, n);
-  }
+  pick(XR_PATHS(decodeAccumulate))(in, acc, n);
 }
 
 void encodeEF(const float* x, float scale, const float* r_in, float* r_out, uint16_t* out,
               int64_t n) {
   checkN(n, "encodeEF");
-  switch (activePath()) {
-#if defined(__x86_64__)
-    case Path::AVX512BF16:
-      return encodeEFAVX512(x, scale, r_in, r_out, out, n);
-    case Path::AVX2:
-      return encodeEFAVX2(x, scale, r_in, r_out, out, n);
-#endif
-    default:
-      return encodeEFScalar(x, scale, r_in, r_out, out, n);
-  }
+  pick(XR_PATHS(encodeEF))(x, scale, r_in, r_out, out, n);
 }
 
 void accumulateEncodeEF(const uint16_t* in, const float* x, float scale, const float* r_in,
                         float* r_out, uint16_t* out, int64_t n) {
   checkN(n, "accumulateEncodeEF");
-  switch (activePath()) {
-#if defined(__x86_64__)
-    case Path::AVX512BF16:
-      return accumulateEncodeEFAVX512(in, x, scale, r_in, r_out, out, n);
-    case Path::AVX2:
-      return accumulateEncodeEFAVX2(in, x, scale, r_in, r_out, out, n);
-#endif
-    default:
-      return accumulateEncodeEFScalar(in, x, scale, r_in, r_out, out, n);
-  }
+  pick(XR_PATHS(accumulateEncodeEF))(in, x, scale, r_in, r_out, out, n);
 }
+
+#undef XR_PATHS
 
 }  // namespace xirang::codec

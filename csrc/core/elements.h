@@ -53,42 +53,25 @@ namespace xirang::el {
 // Bits
 // ---------------------------------------------------------------------------------------------
 
-XR_HD inline uint32_t bitsOf(float x) {
+// The bits of a float / double and back: the device's reinterpret intrinsics, a memcpy on the host.
+template <class To, class From>
+XR_HD inline To bitCast(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bitCast: same size");
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
+  if constexpr (std::is_same_v<From, float>) return __float_as_uint(x);
+  else if constexpr (std::is_same_v<To, float>) return __uint_as_float(x);
+  else if constexpr (std::is_same_v<From, double>) return static_cast<uint64_t>(__double_as_longlong(x));
+  else return __longlong_as_double(static_cast<long long>(x));
 #else
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
+  To out;
+  std::memcpy(&out, &x, sizeof out);
+  return out;
 #endif
 }
-XR_HD inline float floatOf(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-#endif
-}
-XR_HD inline uint64_t bitsOf(double x) {
-#if defined(__CUDA_ARCH__)
-  return static_cast<uint64_t>(__double_as_longlong(x));
-#else
-  uint64_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-#endif
-}
-XR_HD inline double doubleOf(uint64_t u) {
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double(static_cast<long long>(u));
-#else
-  double x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-#endif
-}
+XR_HD inline uint32_t bitsOf(float x) { return bitCast<uint32_t>(x); }
+XR_HD inline float floatOf(uint32_t u) { return bitCast<float>(u); }
+XR_HD inline uint64_t bitsOf(double x) { return bitCast<uint64_t>(x); }
+XR_HD inline double doubleOf(uint64_t u) { return bitCast<double>(u); }
 
 XR_HD inline bool isNanBits(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u; }
 XR_HD inline bool isNan(float x) { return isNanBits(bitsOf(x)); }
@@ -104,27 +87,16 @@ XR_HD inline double copySign(double mag, double sgn) {
 
 // Keeps the host compiler from fusing a product into a later add: the rounded value must exist in
 // a register here. (Device code uses the _rn intrinsics instead.)
-XR_HD inline float opaque(float v) {
+template <class T>
+XR_HD inline T opaque(T v) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "opaque: float or double");
 #if !defined(__CUDA_ARCH__)
 #if defined(__x86_64__) || defined(__i386__)
   __asm__("" : "+x"(v));
 #elif defined(__aarch64__)
   __asm__("" : "+w"(v));
 #else
-  volatile float t = v;
-  v = t;
-#endif
-#endif
-  return v;
-}
-XR_HD inline double opaque(double v) {
-#if !defined(__CUDA_ARCH__)
-#if defined(__x86_64__) || defined(__i386__)
-  __asm__("" : "+x"(v));
-#elif defined(__aarch64__)
-  __asm__("" : "+w"(v));
-#else
-  volatile double t = v;
+  volatile T t = v;
   v = t;
 #endif
 #endif
@@ -148,54 +120,27 @@ XR_HD_COLD double x86NaN(double a, double b) {
   return doubleOf(0xFFF8000000000000ull);
 }
 
-XR_HD inline float add(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  const float r = __fadd_rn(a, b);
-#else
-  const float r = a + b;
-#endif
+// r, the rounded result of an add/sub/mul of a and b, with x86's NaN where it is one.
+template <class T>
+XR_HD inline T x86Result(T r, T a, T b) {
   return XR_PATCH_NAN && isNan(r) ? x86NaN(a, b) : r;
 }
-XR_HD inline float sub(float a, float b) {
+
+// NAME(a, b) for T: the device's _rn intrinsic DEVICE, else the host expression HOST of a and b.
 #if defined(__CUDA_ARCH__)
-  const float r = __fsub_rn(a, b);
+#define XR_IEEE_OP(T, NAME, DEVICE, HOST) \
+  XR_HD inline T NAME(T a, T b) { return x86Result(DEVICE(a, b), a, b); }
 #else
-  const float r = a - b;
+#define XR_IEEE_OP(T, NAME, DEVICE, HOST) \
+  XR_HD inline T NAME(T a, T b) { return x86Result(HOST, a, b); }
 #endif
-  return XR_PATCH_NAN && isNan(r) ? x86NaN(a, b) : r;
-}
-XR_HD inline float mul(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  const float r = __fmul_rn(a, b);
-#else
-  const float r = opaque(a * b);
-#endif
-  return XR_PATCH_NAN && isNan(r) ? x86NaN(a, b) : r;
-}
-XR_HD inline double add(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  const double r = __dadd_rn(a, b);
-#else
-  const double r = a + b;
-#endif
-  return XR_PATCH_NAN && isNan(r) ? x86NaN(a, b) : r;
-}
-XR_HD inline double sub(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  const double r = __dsub_rn(a, b);
-#else
-  const double r = a - b;
-#endif
-  return XR_PATCH_NAN && isNan(r) ? x86NaN(a, b) : r;
-}
-XR_HD inline double mul(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  const double r = __dmul_rn(a, b);
-#else
-  const double r = opaque(a * b);
-#endif
-  return XR_PATCH_NAN && isNan(r) ? x86NaN(a, b) : r;
-}
+XR_IEEE_OP(float, add, __fadd_rn, a + b)
+XR_IEEE_OP(float, sub, __fsub_rn, a - b)
+XR_IEEE_OP(float, mul, __fmul_rn, opaque(a * b))
+XR_IEEE_OP(double, add, __dadd_rn, a + b)
+XR_IEEE_OP(double, sub, __dsub_rn, a - b)
+XR_IEEE_OP(double, mul, __dmul_rn, opaque(a * b))
+#undef XR_IEEE_OP
 
 // ---------------------------------------------------------------------------------------------
 // bf16 and fp16
@@ -305,6 +250,23 @@ XR_HD inline T maxNan(T a, T b) {
   return (isNan(a) || isNan(b)) ? add(a, b) : (b > a ? b : a);
 }
 
+// cmul's recovery steps (C11 Annex G): a NaN part becomes a zero of its sign; an infinite
+// operand (p + qi) becomes a "box" (+-1 for an infinite part, +-0 for a finite one, signs kept)
+// and the other operand's (r + si) NaN parts zeros. boxInf: whether p + qi was infinite.
+template <class T>
+XR_HD inline void nanToZero(T& v) {
+  if (isNan(v)) v = copySign(T(0), v);
+}
+template <class T>
+XR_HD inline bool boxInf(T& p, T& q, T& r, T& s) {
+  if (!(isInf(p) || isInf(q))) return false;
+  p = copySign(isInf(p) ? T(1) : T(0), p);
+  q = copySign(isInf(q) ? T(1) : T(0), q);
+  nanToZero(r);
+  nanToZero(s);
+  return true;
+}
+
 // (a + bi)(c + di) as GCC computes std::complex<T> * std::complex<T> (the inline product, then
 // libgcc's __mulsc3 / __muldc3 recovery of infinities when both parts come out NaN: C11 Annex G).
 template <class T>
@@ -313,27 +275,13 @@ XR_HD inline Complex<T> cmul(Complex<T> z, Complex<T> w) {
   const T ac = mul(a, c), bd = mul(b, d), ad = mul(a, d), bc = mul(b, c);
   T x = sub(ac, bd), y = add(ad, bc);
   if (isNan(x) && isNan(y)) {
-    const T one = T(1), zero = T(0);
-    bool recalc = false;
-    if (isInf(a) || isInf(b)) {
-      a = copySign(isInf(a) ? one : zero, a);
-      b = copySign(isInf(b) ? one : zero, b);
-      if (isNan(c)) c = copySign(zero, c);
-      if (isNan(d)) d = copySign(zero, d);
-      recalc = true;
-    }
-    if (isInf(c) || isInf(d)) {
-      c = copySign(isInf(c) ? one : zero, c);
-      d = copySign(isInf(d) ? one : zero, d);
-      if (isNan(a)) a = copySign(zero, a);
-      if (isNan(b)) b = copySign(zero, b);
-      recalc = true;
-    }
+    bool recalc = boxInf(a, b, c, d);
+    recalc = boxInf(c, d, a, b) || recalc;
     if (!recalc && (isInf(ac) || isInf(bd) || isInf(ad) || isInf(bc))) {
-      if (isNan(a)) a = copySign(zero, a);
-      if (isNan(b)) b = copySign(zero, b);
-      if (isNan(c)) c = copySign(zero, c);
-      if (isNan(d)) d = copySign(zero, d);
+      nanToZero(a);
+      nanToZero(b);
+      nanToZero(c);
+      nanToZero(d);
       recalc = true;
     }
     if (recalc) {

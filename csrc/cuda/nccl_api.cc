@@ -39,20 +39,18 @@ static_assert(device::kNcclRemoteError == ncclRemoteError);
 static_assert(device::kNcclInProgress == ncclInProgress);
 static_assert(sizeof(device::NcclUniqueId) == sizeof(ncclUniqueId));
 
+// The functions the table uses, each once: X(Fns member, NCCL symbol).
+#define XR_NCCL_FUNCTIONS(X)                                                                                \
+  X(getVersion, ncclGetVersion) X(getErrorString, ncclGetErrorString) X(getLastError, ncclGetLastError)     \
+  X(getUniqueId, ncclGetUniqueId) X(commInitRankConfig, ncclCommInitRankConfig) X(commAbort, ncclCommAbort) \
+  X(commDestroy, ncclCommDestroy) X(commGetAsyncError, ncclCommGetAsyncError)                               \
+  X(groupStart, ncclGroupStart) X(groupEnd, ncclGroupEnd) X(send, ncclSend) X(recv, ncclRecv)
+
 // The signatures, from nccl.h.
 struct Fns {
-  decltype(&::ncclGetVersion) getVersion = nullptr;
-  decltype(&::ncclGetErrorString) getErrorString = nullptr;
-  decltype(&::ncclGetLastError) getLastError = nullptr;
-  decltype(&::ncclGetUniqueId) getUniqueId = nullptr;
-  decltype(&::ncclCommInitRankConfig) commInitRankConfig = nullptr;
-  decltype(&::ncclCommAbort) commAbort = nullptr;
-  decltype(&::ncclCommDestroy) commDestroy = nullptr;
-  decltype(&::ncclCommGetAsyncError) commGetAsyncError = nullptr;
-  decltype(&::ncclGroupStart) groupStart = nullptr;
-  decltype(&::ncclGroupEnd) groupEnd = nullptr;
-  decltype(&::ncclSend) send = nullptr;
-  decltype(&::ncclRecv) recv = nullptr;
+#define XR_MEMBER(member, symbol) decltype(&::symbol) member = nullptr;
+  XR_NCCL_FUNCTIONS(XR_MEMBER)
+#undef XR_MEMBER
 };
 
 inline ncclComm_t cm(device::NcclComm c) { return reinterpret_cast<ncclComm_t>(c); }
@@ -158,18 +156,9 @@ Library* tryLoad(const std::string& what, const std::string& file, int flags, st
     fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
     if (!fn) missing += std::string(missing.empty() ? "" : ", ") + name;
   };
-  sym(f.getVersion, "ncclGetVersion");
-  sym(f.getErrorString, "ncclGetErrorString");
-  sym(f.getLastError, "ncclGetLastError");
-  sym(f.getUniqueId, "ncclGetUniqueId");
-  sym(f.commInitRankConfig, "ncclCommInitRankConfig");
-  sym(f.commAbort, "ncclCommAbort");
-  sym(f.commDestroy, "ncclCommDestroy");
-  sym(f.commGetAsyncError, "ncclCommGetAsyncError");
-  sym(f.groupStart, "ncclGroupStart");
-  sym(f.groupEnd, "ncclGroupEnd");
-  sym(f.send, "ncclSend");
-  sym(f.recv, "ncclRecv");
+#define XR_SYM(member, symbol) sym(f.member, #symbol);
+  XR_NCCL_FUNCTIONS(XR_SYM)
+#undef XR_SYM
   std::string path = file;
   Dl_info info;
   if (f.getVersion && dladdr(reinterpret_cast<void*>(f.getVersion), &info) && info.dli_fname) path = info.dli_fname;

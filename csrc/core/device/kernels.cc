@@ -21,43 +21,22 @@ const char* kernelName(KernelKind k) {
   return "unknown";
 }
 
+// Designated initializers in the member order of Kernel (kernels.h); every member not named keeps
+// its default.
 Kernel Kernel::encode(const float* x, uint16_t* out, int64_t n) {
-  Kernel k;
-  k.kind = KernelKind::Encode;
-  k.x = x;
-  k.out = out;
-  k.n = n;
-  return k;
+  return Kernel{.kind = KernelKind::Encode, .n = n, .x = x, .out = out};
 }
 
 Kernel Kernel::decode(const uint16_t* in, float* out, int64_t n) {
-  Kernel k;
-  k.kind = KernelKind::Decode;
-  k.in = in;
-  k.out = out;
-  k.n = n;
-  return k;
+  return Kernel{.kind = KernelKind::Decode, .n = n, .in = in, .out = out};
 }
 
 Kernel Kernel::decodeAccumulate(const uint16_t* in, float* acc, int64_t n) {
-  Kernel k;
-  k.kind = KernelKind::DecodeAccumulate;
-  k.in = in;
-  k.out = acc;
-  k.n = n;
-  return k;
+  return Kernel{.kind = KernelKind::DecodeAccumulate, .n = n, .in = in, .out = acc};
 }
 
 Kernel Kernel::encodeEF(const float* x, float scale, const float* r_in, float* r_out, uint16_t* out, int64_t n) {
-  Kernel k;
-  k.kind = KernelKind::EncodeEF;
-  k.x = x;
-  k.scale = scale;
-  k.r_in = r_in;
-  k.r_out = r_out;
-  k.out = out;
-  k.n = n;
-  return k;
+  return Kernel{.kind = KernelKind::EncodeEF, .n = n, .scale = scale, .x = x, .r_in = r_in, .r_out = r_out, .out = out};
 }
 
 Kernel Kernel::accumulateEncodeEF(const uint16_t* in, const float* x, float scale, const float* r_in, float* r_out,
@@ -69,59 +48,26 @@ Kernel Kernel::accumulateEncodeEF(const uint16_t* in, const float* x, float scal
 }
 
 Kernel Kernel::reduce(void* dst, const void* src, int64_t n, DType t, ReduceOp op) {
-  Kernel k;
-  k.kind = KernelKind::Reduce;
-  k.out = dst;
-  k.in = src;
-  k.n = n;
-  k.dtype = t;
-  k.op = op;  // Avg and PremulSum reduce as Sum (reduceInto's rule; their scaling is separate)
-  return k;
+  // Avg and PremulSum reduce as Sum (reduceInto's rule; their scaling is separate).
+  return Kernel{.kind = KernelKind::Reduce, .dtype = t, .op = op, .n = n, .in = src, .out = dst};
 }
 
 Kernel Kernel::scaleBy(void* x, int64_t n, DType t, double factor) {
-  Kernel k;
-  k.kind = KernelKind::Scale;
-  k.out = x;
-  k.n = n;
-  k.dtype = t;
-  k.factor = factor;
-  return k;
+  return Kernel{.kind = KernelKind::Scale, .dtype = t, .n = n, .factor = factor, .out = x};
 }
 
 Kernel Kernel::combine16(const uint16_t* slots, int contributors, int64_t count, DType t, ReduceOp op, float pre,
                          float post, uint16_t* out) {
-  Kernel k;
-  k.kind = KernelKind::Combine16;
-  k.in = slots;
-  k.contributors = contributors;
-  k.n = count;
-  k.dtype = t;
-  k.op = op;
-  k.scale = pre;
-  k.post = post;
-  k.out = out;
-  return k;
+  return Kernel{.kind = KernelKind::Combine16, .dtype = t, .op = op, .n = count, .contributors = contributors,
+                .scale = pre, .post = post, .in = slots, .out = out};
 }
 
 Kernel Kernel::widen16(const uint16_t* in, float* out, int64_t n, DType t) {
-  Kernel k;
-  k.kind = KernelKind::Widen16;
-  k.in = in;
-  k.out = out;
-  k.n = n;
-  k.dtype = t;
-  return k;
+  return Kernel{.kind = KernelKind::Widen16, .dtype = t, .n = n, .in = in, .out = out};
 }
 
 Kernel Kernel::narrow16(const float* in, uint16_t* out, int64_t n, DType t) {
-  Kernel k;
-  k.kind = KernelKind::Narrow16;
-  k.x = in;
-  k.out = out;
-  k.n = n;
-  k.dtype = t;
-  return k;
+  return Kernel{.kind = KernelKind::Narrow16, .dtype = t, .n = n, .x = in, .out = out};
 }
 
 std::string checkKernel(const Kernel& k) {

@@ -95,36 +95,32 @@ XR_HD inline void storeVec(T* p, const T (&in)[K]) {
 // Element functors (one kernel each). kVec elements per vector group.
 // ---------------------------------------------------------------------------------------------
 
-// out = 16-bit(x) (bf16: the codec's encode; fp16: narrow()).
-template <bool kHalf>
-struct Narrow16 {
+// The 16-bit conversions (kHalf: fp16, else bf16). kNarrow: out = 16-bit(in) (bf16: the codec's
+// encode; fp16: narrow()); else out = f32(in) (bf16: the codec's decode; fp16: widen()).
+template <bool kHalf, bool kNarrow>
+struct Convert16 {
+  using In = std::conditional_t<kNarrow, float, uint16_t>;
+  using Out = std::conditional_t<kNarrow, uint16_t, float>;
   static constexpr int kVec = 4;
-  const float* x;
-  uint16_t* out;
-  XR_HD void one(int64_t i) const { out[i] = el::from32<kHalf>(x[i]); }
+  const In* in;
+  Out* out;
+  XR_HD static Out convert(In v) {
+    if constexpr (kNarrow) return el::from32<kHalf>(v);
+    else return el::to32<kHalf>(v);
+  }
+  XR_HD void one(int64_t i) const { out[i] = convert(in[i]); }
   XR_HD void vec(int64_t v) const {
-    float a[4];
-    loadVec(x + 4 * v, a);
-    const uint16_t o[4] = {el::from32<kHalf>(a[0]), el::from32<kHalf>(a[1]), el::from32<kHalf>(a[2]),
-                           el::from32<kHalf>(a[3])};
+    In a[4];
+    Out o[4];
+    loadVec(in + 4 * v, a);
+    for (int k = 0; k < 4; ++k) o[k] = convert(a[k]);
     storeVec(out + 4 * v, o);
   }
 };
-
-// out = f32(in) (bf16: the codec's decode; fp16: widen()).
 template <bool kHalf>
-struct Widen16 {
-  static constexpr int kVec = 4;
-  const uint16_t* in;
-  float* out;
-  XR_HD void one(int64_t i) const { out[i] = el::to32<kHalf>(in[i]); }
-  XR_HD void vec(int64_t v) const {
-    uint16_t b[4];
-    loadVec(in + 4 * v, b);
-    const float o[4] = {el::to32<kHalf>(b[0]), el::to32<kHalf>(b[1]), el::to32<kHalf>(b[2]), el::to32<kHalf>(b[3])};
-    storeVec(out + 4 * v, o);
-  }
-};
+using Narrow16 = Convert16<kHalf, true>;
+template <bool kHalf>
+using Widen16 = Convert16<kHalf, false>;
 
 // acc = acc + f32(in).
 struct DecodeAccumulate {
@@ -142,33 +138,11 @@ struct DecodeAccumulate {
   }
 };
 
-// out = bf16(x*scale + r_in), r_out = the rounding error (codec.h: encodeEF).
-struct EncodeEF {
-  static constexpr int kVec = 4;
-  const float* x;
-  float scale;
-  const float* r_in;
-  float* r_out;
-  uint16_t* out;
-  XR_HD void one(int64_t i) const {
-    float r;
-    const uint16_t o = el::encodeEF(x[i], scale, r_in[i], &r);
-    out[i] = o;
-    r_out[i] = r;
-  }
-  XR_HD void vec(int64_t v) const {
-    float a[4], ri[4], ro[4];
-    loadVec(x + 4 * v, a);
-    loadVec(r_in + 4 * v, ri);
-    uint16_t o[4];
-    for (int k = 0; k < 4; ++k) o[k] = el::encodeEF(a[k], scale, ri[k], &ro[k]);
-    storeVec(out + 4 * v, o);
-    storeVec(r_out + 4 * v, ro);
-  }
-};
-
-// out = bf16(f32(in) + (x*scale + r_in)), r_out = the rounding error (codec.h).
-struct AccumulateEncodeEF {
+// out = bf16(s), r_out = the rounding error (codec.h: encodeEF, accumulateEncodeEF), where
+// s = x*scale + r_in, or with kAccumulate s = f32(in) + (x*scale + r_in). Without kAccumulate
+// `in` is not read (null).
+template <bool kAccumulate>
+struct EncodeEFOp {
   static constexpr int kVec = 4;
   const uint16_t* in;
   const float* x;
@@ -176,23 +150,29 @@ struct AccumulateEncodeEF {
   const float* r_in;
   float* r_out;
   uint16_t* out;
+  XR_HD uint16_t encode(uint16_t b, float a, float ri, float* ro) const {
+    if constexpr (kAccumulate) return el::accumulateEncodeEF(b, a, scale, ri, ro);
+    else return el::encodeEF(a, scale, ri, ro);
+  }
   XR_HD void one(int64_t i) const {
     float r;
-    const uint16_t o = el::accumulateEncodeEF(in[i], x[i], scale, r_in[i], &r);  // in[i] read before out[i]
+    const uint16_t o = encode(kAccumulate ? in[i] : uint16_t{0}, x[i], r_in[i], &r);  // in[i] read before out[i]
     out[i] = o;
     r_out[i] = r;
   }
   XR_HD void vec(int64_t v) const {
-    uint16_t b[4], o[4];
+    uint16_t b[4] = {}, o[4];
     float a[4], ri[4], ro[4];
-    loadVec(in + 4 * v, b);
+    if constexpr (kAccumulate) loadVec(in + 4 * v, b);
     loadVec(x + 4 * v, a);
     loadVec(r_in + 4 * v, ri);
-    for (int k = 0; k < 4; ++k) o[k] = el::accumulateEncodeEF(b[k], a[k], scale, ri[k], &ro[k]);
+    for (int k = 0; k < 4; ++k) o[k] = encode(b[k], a[k], ri[k], &ro[k]);
     storeVec(out + 4 * v, o);
     storeVec(r_out + 4 * v, ro);
   }
 };
+using EncodeEF = EncodeEFOp<false>;
+using AccumulateEncodeEF = EncodeEFOp<true>;
 
 // dst = op(dst, src) (reduce.h: reduceInto). kBool: T = uint8_t holding bools.
 template <class T, ReduceOp Op, bool kBool = false>
@@ -395,7 +375,7 @@ void visit(const Kernel& k, F&& launch) {
     }
     case KernelKind::EncodeEF: {
       auto* o = static_cast<uint16_t*>(k.out);
-      return go(EncodeEF{k.x, k.scale, k.r_in, k.r_out, o}, k.n,
+      return go(EncodeEF{nullptr, k.x, k.scale, k.r_in, k.r_out, o}, k.n,
                 aligned(k.x, 16) && aligned(k.r_in, 16) && aligned(k.r_out, 16) && aligned(o, 8), launch);
     }
     case KernelKind::AccumulateEncodeEF: {

@@ -473,16 +473,10 @@ void P2P::pumpIn(int peer) {
   while (in.fd >= 0 && in.closed.empty() && in.mode != In::Parked) {
     if (!in.have_hdr) {
       ssize_t r = ::recv(in.fd, in.hdr + in.hdr_off, kHeaderBytes - in.hdr_off, MSG_DONTWAIT);
-      if (r == 0) {
-        failPeerIn(peer, who(peer) + (in.hdr_off ? " closed its connection in the middle of a message header"
-                                                 : " closed its point-to-point connection (it left the group or exited)"));
+      if (!received(peer, r,
+                    in.hdr_off ? " closed its connection in the middle of a message header"
+                               : " closed its point-to-point connection (it left the group or exited)"))
         return;
-      }
-      if (r < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
-        failPeerIn(peer, "receive from " + who(peer) + " failed: " + errnoStr(errno));
-        return;
-      }
       in.hdr_off += static_cast<size_t>(r);
       if (in.hdr_off < kHeaderBytes) continue;
       in.hdr_off = 0;
@@ -504,17 +498,17 @@ void P2P::pumpIn(int peer) {
       r = ::recv(in.fd, in.msg.payload.data() + in.off, static_cast<size_t>(chunk), MSG_DONTWAIT);
       in.msg.payload.resize(static_cast<size_t>(in.off + (r > 0 ? static_cast<uint64_t>(r) : 0)));
     }
-    if (r == 0) {
-      failPeerIn(peer, who(peer) + " closed its connection");
-      return;
-    }
-    if (r < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
-      failPeerIn(peer, "receive from " + who(peer) + " failed: " + errnoStr(errno));
-      return;
-    }
+    if (!received(peer, r, " closed its connection")) return;
     in.off += static_cast<uint64_t>(r);
   }
+}
+
+bool P2P::received(int peer, ssize_t r, const char* closed) {
+  if (r > 0) return true;
+  if (r == 0) failPeerIn(peer, who(peer) + closed);
+  else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+    failPeerIn(peer, "receive from " + who(peer) + " failed: " + errnoStr(errno));
+  return false;
 }
 
 bool P2P::pumpBack(int peer) {

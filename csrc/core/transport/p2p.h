@@ -21,6 +21,8 @@
 // fails when the transport closes.
 #pragma once
 
+#include <sys/types.h>
+
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -147,6 +149,9 @@ class P2P {
   void wake();
   // Under mu_. Each appends to done_ what completed; none blocks.
   void pumpIn(int peer);
+  // Whether recv() on in_[peer] got r > 0 bytes; else in_[peer] failed (r == 0: who(peer) +
+  // `closed`; an error other than "nothing yet") or there is nothing to read now.
+  bool received(int peer, ssize_t r, const char* closed);
   void pumpOut(int peer);
   void onHeader(int peer);           // a whole header has arrived on in_[peer]
   void decide(int peer);             // where in_[peer]'s message goes: a receive, the queue, or wait

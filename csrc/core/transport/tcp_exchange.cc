@@ -86,28 +86,25 @@ class Tcp::Exchange {
     size_t job;
     size_t seg;  // SIZE_MAX: the empty frame of a job without segments
   };
-  struct OutStream {
+  // One peer's frames in one direction, in order: frames[cur] is under way, hdr_off bytes of its
+  // header and pay_off of its payload done.
+  template <class Frame>
+  struct Stream {
     int fd;
     int peer;
-    std::vector<OutFrame> frames;
+    std::vector<Frame> frames;
     size_t cur = 0;
     uint8_t hdr[kHeaderBytes] = {};
     size_t hdr_off = 0;
     uint64_t pay_off = 0;
-    bool hdr_ready = false;
     uint64_t bytes_done = 0;
+  };
+  struct OutStream : Stream<OutFrame> {
+    bool hdr_ready = false;
     bool back_closed = false;
   };
-  struct InStream {
-    int fd;
-    int peer;
-    std::vector<InFrame> frames;
-    size_t cur = 0;
-    uint8_t hdr[kHeaderBytes] = {};
-    size_t hdr_off = 0;
-    uint64_t pay_off = 0;
+  struct InStream : Stream<InFrame> {
     bool hdr_ok = false;
-    uint64_t bytes_done = 0;
   };
   // A large send to one peer while receiving (a ring step) is pumped by a helper thread blocked
   // in its own poll(), as a sender thread beside a receiver thread would be: neither direction
@@ -158,7 +155,7 @@ void Tcp::Exchange::planSends(std::vector<SendJob>& sends) {
     const int fd = tcp_.outgoing(job.peer, deadline_);
     auto it = std::find_if(outs_.begin(), outs_.end(), [&](const OutStream& s) { return s.fd == fd; });
     if (it == outs_.end()) {
-      outs_.push_back(OutStream{fd, job.peer, {}});
+      outs_.push_back(OutStream{{fd, job.peer, {}}});
       it = outs_.end() - 1;
     }
     if (job.segs.empty()) {
@@ -181,7 +178,7 @@ void Tcp::Exchange::planRecvs() {
     // wait for it here, or a peer that is itself waiting for our frames never gets them.
     auto it = std::find_if(ins_.begin(), ins_.end(), [&](const InStream& s) { return s.peer == job.peer; });
     if (it == ins_.end()) {
-      ins_.push_back(InStream{tcp_.tryIncoming(job.peer), job.peer, {}});
+      ins_.push_back(InStream{{tcp_.tryIncoming(job.peer), job.peer, {}}});
       it = ins_.end() - 1;
     }
     if (job.segs.empty()) {
