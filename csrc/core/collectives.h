@@ -116,6 +116,17 @@ Comm::Algo allreduceAlgo(const Comm& comm, int64_t numel, DType wire);
 // The two algorithms allreduce() picks from above the small-message size, callable directly.
 void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);
 void twoLevelAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);
+// The two-level plan of `numel` elements of `wire` at `data` (comm.local_group and cross_group
+// set, this rank in both): `local` is the comm of this host's ranks, `cross` that of the ranks
+// holding this rank's shard on the other hosts; blocks (by group rank) are the host ranks' shards
+// of data, the reduce-scatter's and allgather's blocks; `shard` / `shard_numel` this rank's.
+struct TwoLevelSplit {
+  Comm local, cross;
+  std::vector<transport::RecvSeg> blocks;
+  uint8_t* shard;
+  int64_t shard_numel;
+};
+TwoLevelSplit twoLevelSplit(const Comm& comm, void* data, int64_t numel, DType wire);
 void directAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op);
 
 // Allreduce of a 16-bit float buffer (t = Float16 or BFloat16) that rounds once: each rank sends

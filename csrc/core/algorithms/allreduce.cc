@@ -156,31 +156,37 @@ void ringAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel
   }
 }
 
+TwoLevelSplit twoLevelSplit(const Comm& comm, void* data, int64_t numel, DType wire) {
+  const size_t elem = elementSize(wire);
+  const int g = static_cast<int>(comm.local_group.size());
+  const int j = static_cast<int>(std::find(comm.local_group.begin(), comm.local_group.end(), comm.rank) -
+                                 comm.local_group.begin());
+  const auto shards = ring::partition(numel, g);
+  uint8_t* base = static_cast<uint8_t*>(data);
+  int max_rank = 0;
+  for (int r : comm.ring) max_rank = std::max(max_rank, r);
+  TwoLevelSplit s{comm, comm, std::vector<RecvSeg>(static_cast<size_t>(max_rank) + 1, RecvSeg{nullptr, 0}),
+                  base + shards[static_cast<size_t>(j)].offset * elem, shards[static_cast<size_t>(j)].count};
+  for (int k = 0; k < g; ++k)
+    s.blocks[static_cast<size_t>(comm.local_group[static_cast<size_t>(k)])] =
+        RecvSeg{base + shards[static_cast<size_t>(k)].offset * elem,
+                static_cast<uint64_t>(shards[static_cast<size_t>(k)].count) * elem};
+  s.local.ring = comm.local_group;
+  s.local.local_group.clear();
+  s.cross.ring = comm.cross_group;
+  s.cross.local_group.clear();
+  return s;
+}
+
 // Two-level (hierarchical) allreduce: reduce-scatter among the ranks of this host, allreduce of
 // this rank's shard among the ranks holding the same shard on the other hosts, allgather inside
 // the host. Shard j's final value is computed once by the cross-host allreduce and copied, so
 // every rank ends with the same bits.
 void twoLevelAllreduce(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
-  const size_t elem = elementSize(wire);
-  const int g = static_cast<int>(comm.local_group.size());
-  const int j = static_cast<int>(std::find(comm.local_group.begin(), comm.local_group.end(), comm.rank) -
-                                 comm.local_group.begin());
-  auto shards = ring::partition(numel, g);
-  uint8_t* base = static_cast<uint8_t*>(data);
-  int max_rank = 0;
-  for (int r : comm.ring) max_rank = std::max(max_rank, r);
-  std::vector<RecvSeg> blocks(static_cast<size_t>(max_rank) + 1, RecvSeg{nullptr, 0});
-  for (int k = 0; k < g; ++k)
-    blocks[comm.local_group[k]] = RecvSeg{base + shards[k].offset * elem, static_cast<uint64_t>(shards[k].count) * elem};
-  Comm local = comm;
-  local.ring = comm.local_group;
-  local.local_group.clear();
-  Comm cross = comm;
-  cross.ring = comm.cross_group;
-  cross.local_group.clear();
-  reduceScatter(local, ctx, blocks, wire, op);
-  allreduce(cross, ctx, base + shards[j].offset * elem, shards[j].count, wire, op);
-  allgather(local, ctx, blocks);
+  TwoLevelSplit s = twoLevelSplit(comm, data, numel, wire);
+  reduceScatter(s.local, ctx, s.blocks, wire, op);
+  allreduce(s.cross, ctx, s.shard, s.shard_numel, wire, op);
+  allgather(s.local, ctx, s.blocks);
   if (ctx.phases) ctx.phases->algorithm = "two_level";
 }
 
@@ -231,21 +237,49 @@ void allreduce16(const Comm& comm, const OpCtx& ctx, uint16_t* data, int64_t num
   }
 }
 
-void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t numel) {
-  const int n = comm.size();
-  const float scale = 1.0f / static_cast<float>(n);
-  algo::Reducer& red = *comm.reducer;
-  uint16_t* wire = reinterpret_cast<uint16_t*>(comm.scratchBytes(1, static_cast<size_t>(numel) * 2));
-  Phases dummy;
-  Phases& ph = ctx.phases ? *ctx.phases : dummy;
-  ph.algorithm = "ring_bf16_ef";
-  if (n <= 1 || numel == 0) {
+namespace {
+// What both compressed allreduces start from: the average's scale 1/N, the reducer, the bf16
+// wire buffer of numel elements (scratch slot 1), the phases to add to (ctx's or a dummy).
+struct EFRun {
+  EFRun(const Comm& comm, const OpCtx& ctx, int64_t numel, const char* algorithm)
+      : n(comm.size()),
+        scale(1.0f / static_cast<float>(n)),
+        red(*comm.reducer),
+        wire(reinterpret_cast<uint16_t*>(comm.scratchBytes(1, static_cast<size_t>(numel) * 2))),
+        ph(ctx.phases ? *ctx.phases : dummy) {
+    ph.algorithm = algorithm;
+  }
+  // wire = bf16(x/N + r_in) for all numel elements, r_out = the rounding error.
+  void encodeAll(const float* x, const float* r_in, float* r_out, int64_t numel) {
     auto t0 = Clock::now();
     red.encodeEF(x, scale, r_in, r_out, wire, numel);
     ph.encode_s += since(t0);
-    auto t1 = Clock::now();
+  }
+  // x = f32(wire), all numel elements.
+  void decodeAll(float* x, int64_t numel) {
+    auto t0 = Clock::now();
     red.decode(wire, x, numel);
-    ph.decode_s += since(t1);
+    ph.decode_s += since(t0);
+  }
+  const int n;
+  const float scale;
+  algo::Reducer& red;
+  uint16_t* const wire;
+  Phases dummy;
+  Phases& ph;
+};
+}  // namespace
+
+void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t numel) {
+  EFRun run(comm, ctx, numel, "ring_bf16_ef");
+  const int n = run.n;
+  const float scale = run.scale;
+  algo::Reducer& red = run.red;
+  uint16_t* wire = run.wire;
+  Phases& ph = run.ph;
+  if (n <= 1 || numel == 0) {
+    run.encodeAll(x, r_in, r_out, numel);
+    run.decodeAll(x, numel);
     return;
   }
   const int pos = comm.position();
@@ -282,20 +316,14 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
 
 void allreduceBF16EFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
                            int64_t numel) {
-  const int n = comm.size();
-  const float scale = 1.0f / static_cast<float>(n);
-  algo::Reducer& red = *comm.reducer;
-  uint16_t* wire = reinterpret_cast<uint16_t*>(comm.scratchBytes(1, static_cast<size_t>(numel) * 2));
-  Phases dummy;
-  Phases& ph = ctx.phases ? *ctx.phases : dummy;
-  ph.algorithm = "direct_bf16_ef";
-  auto t0 = Clock::now();
-  red.encodeEF(x, scale, r_in, r_out, wire, numel);  // the sender's rounding, fed back through r_out
-  ph.encode_s += since(t0);
+  EFRun run(comm, ctx, numel, "direct_bf16_ef");
+  const int n = run.n;
+  algo::Reducer& red = run.red;
+  uint16_t* wire = run.wire;
+  Phases& ph = run.ph;
+  run.encodeAll(x, r_in, r_out, numel);  // the sender's rounding, fed back through r_out
   if (n <= 1) {
-    auto t1 = Clock::now();
-    red.decode(wire, x, numel);
-    ph.decode_s += since(t1);
+    run.decodeAll(x, numel);
     return;
   }
   const int pos = comm.position();

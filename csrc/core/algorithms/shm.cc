@@ -372,27 +372,10 @@ void allreduce(const Comm& comm, ShmDomain& d, const OpCtx& ctx, void* data, int
     return;
   }
   // Two-level, as twoLevelAllreduce (collectives.h) with the host's steps over shared memory.
-  const size_t elem = elementSize(wire);
-  const int g = static_cast<int>(comm.local_group.size());
-  const int j = static_cast<int>(std::find(comm.local_group.begin(), comm.local_group.end(), comm.rank) -
-                                 comm.local_group.begin());
-  const auto shards = ring::partition(numel, g);
-  uint8_t* base = static_cast<uint8_t*>(data);
-  std::vector<RecvSeg> blocks(static_cast<size_t>(*std::max_element(comm.ring.begin(), comm.ring.end())) + 1,
-                              RecvSeg{nullptr, 0});
-  for (int k = 0; k < g; ++k)
-    blocks[static_cast<size_t>(comm.local_group[static_cast<size_t>(k)])] =
-        RecvSeg{base + shards[static_cast<size_t>(k)].offset * elem, static_cast<uint64_t>(shards[static_cast<size_t>(k)].count) * elem};
-  Comm local = comm;
-  local.ring = comm.local_group;
-  local.local_group.clear();
-  Comm cross = comm;
-  cross.ring = comm.cross_group;
-  cross.local_group.clear();
-  reduceScatter(local, d, ctx, blocks, wire, op);
-  xirang::allreduce(cross, ctx, base + shards[static_cast<size_t>(j)].offset * elem, shards[static_cast<size_t>(j)].count,
-                    wire, op);
-  allgather(local, d, ctx, blocks);
+  TwoLevelSplit s = twoLevelSplit(comm, data, numel, wire);
+  reduceScatter(s.local, d, ctx, s.blocks, wire, op);
+  xirang::allreduce(s.cross, ctx, s.shard, s.shard_numel, wire, op);
+  allgather(s.local, d, ctx, s.blocks);
   setAlgorithm(ctx, "shm_two_level");
 }
 
