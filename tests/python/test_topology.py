@@ -462,8 +462,9 @@ def test_emulated_cluster_latency_and_rate():
         cross = netns.ping_rtt_ms(r0[0].ns, r1[1].ip, count=20)
         same = netns.ping_rtt_ms(r0[0].ns, r0[1].ip, count=20)
         assert cross is not None and same is not None
-        # 2 x 1 ms; loose bounds: a shared, loaded machine adds wake-up delays
-        assert 1.6 <= cross["min"] and cross["avg"] <= 5.0, cross
+        # 2 x 1 ms; loose bounds: a shared, loaded machine adds wake-up delays, and a minimum of
+        # 1.57 ms was seen once (2026-12-02, load 2.8); without the delay it is below 0.1 ms
+        assert 1.5 <= cross["min"] and cross["avg"] <= 5.0, cross
         assert same["avg"] < 0.8, same
         mbit = netns.tcp_mbit(cluster, r1[0], r0[1], nbytes=20 * 10**6)
         assert 100 <= mbit <= 230, f"cross-rack TCP {mbit:.0f} Mbit/s, tbf rate 200 Mbit/s"
