@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hook_workers
 import mp_pool
 from refs import assert_reduced, bitwise_equal, dt, make_input
 
@@ -344,7 +345,7 @@ def test_two_hosts_two_level_host_level_over_shm(backend):
 # /dev/shm, so it cannot open the segment the other rank created. Ranks are launched as plain
 # processes with env:// rendezvous (the isolated one under `unshare -m`).
 _ISOLATED_WORKER = r"""
-import datetime, json, os, sys
+import datetime, json, sys
 import torch, torch.distributed as dist
 import xirang, xirang._backend
 try:
@@ -364,14 +365,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_with_one_rank_isolated(isolated: int, mode: str):
     import json
     import shutil
@@ -384,7 +377,7 @@ def _run_with_one_rank_isolated(isolated: int, mode: str):
                             "mount -t tmpfs -o size=64m xirang-test /dev/shm"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"needs the privilege to make a mount namespace: {probe.stderr.strip()}")
-    port = _free_port()
+    port = hook_workers.free_port()
     procs = []
     for r in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="2",
