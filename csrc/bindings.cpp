@@ -277,13 +277,16 @@ PYBIND11_MODULE(_C, m) {
            "elastic mode, its heartbeat period in seconds (None: XIRANG_HEARTBEAT_S), join (a spare taking rank `rank`'s place:\n"
            "blocks until the live ranks admit it) and the creation's generation (generation(); empty:\n"
            "the constructor runs that handshake itself).")
-      .def("allreduce_ef", &xirang::ProcessGroupXirang::allreduceBF16EF, py::arg("buffer"), py::arg("residual"),
+      .def("allreduce_ef", &xirang::ProcessGroupXirang::allreduceEF, py::arg("buffer"), py::arg("residual"),
            py::arg("staged_residual"), py::arg("group_id") = -1, py::arg("label") = "",
-           py::arg("plain") = std::vector<at::Tensor>{}, py::call_guard<py::gil_scoped_release>(),
-           "One layer group's reduction, on the communication thread: BF16 error-feedback ring allreduce\n"
-           "(average) of a 1-D float32 buffer, then the average of each `plain` tensor in its own dtype.\n"
-           "residual (float32, same numel) is read; the new residual is written to staged_residual.\n"
-           "Returns a Work; its future's value is [buffer, *plain], bitwise equal on all ranks.")
+           py::arg("plain") = std::vector<at::Tensor>{}, py::arg("wire") = "bf16",
+           py::call_guard<py::gil_scoped_release>(),
+           "One layer group's reduction, on the communication thread: error-feedback allreduce (average)\n"
+           "of a 1-D float32 buffer, then the average of each `plain` tensor in its own dtype.\n"
+           "wire: 'bf16' (the compressed ring), 'fp16' or 'int8' (the direct form: codes plus one fp32\n"
+           "scale per 1024 elements, summed in fp32 at each chunk's owner). residual (float32, same\n"
+           "numel) is read; the new residual is written to staged_residual. Returns a Work; its future's\n"
+           "value is [buffer, *plain], bitwise equal on all ranks. RuntimeError for an unknown wire.")
       .def("records", [](xirang::ProcessGroupXirang& pg) {
         py::list out;
         for (const auto& r : pg.records()) out.append(fieldsToDict(r));

@@ -215,10 +215,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceSparse(std::vector<a
                  hostStage(), [this, t](OpCtx& ctx) { host::allreduceSparse(comm(), ctx, t, size_); });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor buffer, at::Tensor residual,
-                                                                   at::Tensor staged, int64_t group_id,
-                                                                   std::string label,
-                                                                   std::vector<at::Tensor> plain) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceEF(at::Tensor buffer, at::Tensor residual,
+                                                               at::Tensor staged, int64_t group_id, std::string label,
+                                                               std::vector<at::Tensor> plain, std::string wire_name) {
+  codec::Wire wire = codec::Wire::BF16;
+  try {
+    wire = codec::wireFromName(wire_name);
+  } catch (const std::invalid_argument& e) {
+    XR_CHECK(rank_, false, "allreduce_ef: ", e.what());
+  }
   // Before binding: the host mirrors of CUDA tensors never alias.
   XR_CHECK(rank_, !(staged.defined() && residual.defined() && staged.is_alias_of(residual)),
            "allreduce_bf16_ef: staged must not share storage with residual");
@@ -255,8 +260,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceBF16EF(at::Tensor bu
   return enqueue({.type = c10d::OpType::ALLREDUCE, .title = groupTitle(group_id), .kind = OpKind::AllreduceEF,
                   .outputs = outs, .inputs = outs, .dtype = DType::Float32, .reduce = ReduceOp::Avg, .numel = numel,
                   .group_id = group_id, .label = std::move(label), .save = std::move(save)},
-                 stage, [this, buffer, residual, staged, plain](OpCtx& ctx) {
-                   host::allreduceBF16EF(comm(), ctx, buffer, residual, staged, plain);
+                 stage, [this, buffer, residual, staged, plain, wire](OpCtx& ctx) {
+                   host::allreduceEF(comm(), ctx, buffer, residual, staged, plain, wire);
                  });
 }
 

@@ -109,14 +109,17 @@ class ProcessGroupXirang : public c10d::Backend {
   void shutdown() override;
   void setTimeout(std::chrono::milliseconds timeout) override { cfg_.timeout = timeout; }
 
-  // The hook's operation for one layer group: BF16 error-feedback ring allreduce (average) of a
-  // flat fp32 buffer, then a plain average of each `plain` tensor in its own dtype, as one op.
-  // buffer, residual, staged: 1-D contiguous float32 CPU tensors of equal numel; residual is
-  // read, the new residual is written to staged (must not share storage with residual).
-  // Future value: [buffer, *plain]. Errors: c10::Error for bad arguments.
-  c10::intrusive_ptr<c10d::Work> allreduceBF16EF(at::Tensor buffer, at::Tensor residual, at::Tensor staged,
-                                                 int64_t group_id, std::string label = "",
-                                                 std::vector<at::Tensor> plain = {});
+  // The hook's operation for one layer group: error-feedback allreduce (average) of a flat fp32
+  // buffer with `wire` ("bf16": the compressed ring; "fp16", "int8": the direct form with one
+  // fp32 scale per 1024 elements, codec.h: Wire), then a plain average of each `plain` tensor in
+  // its own dtype, as one op. buffer, residual, staged: 1-D contiguous float32 CPU tensors of
+  // equal numel; residual is read, the new residual is written to staged (must not share storage
+  // with residual). Future value: [buffer, *plain]. Errors: c10::Error for bad arguments (an
+  // unknown wire name included); every rank of the group must pass the same wire (a mismatch
+  // fails the op on every rank, naming the frames that disagree).
+  c10::intrusive_ptr<c10d::Work> allreduceEF(at::Tensor buffer, at::Tensor residual, at::Tensor staged,
+                                             int64_t group_id, std::string label = "",
+                                             std::vector<at::Tensor> plain = {}, std::string wire = "bf16");
 
   // This rank's operation records (bounded ring buffer, oldest first) and clearing them.
   std::vector<OpRecord> records() { return records_->snapshot(); }

@@ -10,6 +10,7 @@
 
 #include "core/elements.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cstdlib>
@@ -452,5 +453,108 @@ void accumulateEncodeEF(const uint16_t* in, const float* x, float scale, const f
 }
 
 #undef XR_PATHS
+
+// ---------------------------------------------------------------------------------------------
+// Scaled wire formats (fp16, int8): the element functions of core/elements.h, segment by segment.
+// ---------------------------------------------------------------------------------------------
+
+const char* wireName(Wire w) {
+  switch (w) {
+    case Wire::BF16: return "bf16";
+    case Wire::FP16: return "fp16";
+    case Wire::INT8: return "int8";
+  }
+  return "unknown";
+}
+
+Wire wireFromName(const std::string& name) {
+  for (Wire w : {Wire::BF16, Wire::FP16, Wire::INT8})
+    if (name == wireName(w)) return w;
+  throw std::invalid_argument("xirang: unknown wire format '" + name + "' (expected bf16, fp16 or int8)");
+}
+
+namespace {
+uint64_t codeBytes(Wire w) { return w == Wire::INT8 ? 1 : 2; }
+uint64_t segments(int64_t n) { return static_cast<uint64_t>((n + kWireSegment - 1) / kWireSegment); }
+float scaleAt(const uint8_t* scales, uint64_t k) {
+  float v;
+  std::memcpy(&v, scales + 4 * k, 4);
+  return v;
+}
+
+// f(i, value) for every element of a scaled block, in order.
+template <class F>
+void forEachValue(Wire w, const uint8_t* block, int64_t n, F&& f) {
+  const uint8_t* scales = block + codeBytes(w) * static_cast<uint64_t>(n);
+  for (int64_t s0 = 0, k = 0; s0 < n; s0 += kWireSegment, ++k) {
+    const float sc = scaleAt(scales, static_cast<uint64_t>(k));
+    const int64_t end = std::min(n, s0 + kWireSegment);
+    if (w == Wire::INT8) {
+      const auto* c = reinterpret_cast<const int8_t*>(block);
+      for (int64_t i = s0; i < end; ++i) f(i, el::int8Value(c[i], sc));
+    } else {
+      for (int64_t i = s0; i < end; ++i) {
+        uint16_t c;
+        std::memcpy(&c, block + 2 * i, 2);
+        f(i, el::fp16Value(c, sc));
+      }
+    }
+  }
+}
+}  // namespace
+
+uint64_t blockBytes(Wire w, int64_t n) {
+  checkN(n, "blockBytes");
+  const uint64_t codes = codeBytes(w) * static_cast<uint64_t>(n);
+  return w == Wire::BF16 ? codes : codes + 4 * segments(n);
+}
+
+void encodeBlockEF(Wire w, const float* x, float scale, const float* r_in, float* r_out, uint8_t* block, int64_t n) {
+  checkN(n, "encodeBlockEF");
+  if (w == Wire::BF16) {
+    encodeEF(x, scale, r_in, r_out, reinterpret_cast<uint16_t*>(block), n);
+    return;
+  }
+  uint8_t* scales = block + codeBytes(w) * static_cast<uint64_t>(n);
+  for (int64_t s0 = 0, k = 0; s0 < n; s0 += kWireSegment, ++k) {
+    const int64_t end = std::min(n, s0 + kWireSegment);
+    // Pass 1: the segment's largest finite |s|. Pass 2 recomputes s (r_in is read before r_out
+    // is written, element by element, so the two may alias).
+    float amax = 0.0f;
+    for (int64_t i = s0; i < end; ++i) {
+      const float s = el::add(el::mul(x[i], scale), r_in[i]);
+      const float a = el::floatOf(el::bitsOf(s) & 0x7FFFFFFFu);
+      if (!el::isNan(a) && !el::isInf(a) && a > amax) amax = a;
+    }
+    const float sc = w == Wire::INT8 ? el::int8Scale(amax) : el::fp16Scale(amax);
+    std::memcpy(scales + 4 * k, &sc, 4);
+    for (int64_t i = s0; i < end; ++i) {
+      const float s = el::add(el::mul(x[i], scale), r_in[i]);
+      float v;
+      if (w == Wire::INT8) {
+        const int8_t c = el::int8Code(s, sc);
+        reinterpret_cast<int8_t*>(block)[i] = c;
+        v = el::int8Value(c, sc);
+      } else {
+        const uint16_t c = el::fp16Code(s, sc);
+        std::memcpy(block + 2 * i, &c, 2);
+        v = el::fp16Value(c, sc);
+      }
+      r_out[i] = el::scaledResidual(s, v, r_in[i]);
+    }
+  }
+}
+
+void decodeBlock(Wire w, const uint8_t* block, float* out, int64_t n) {
+  checkN(n, "decodeBlock");
+  if (w == Wire::BF16) return decode(reinterpret_cast<const uint16_t*>(block), out, n);
+  forEachValue(w, block, n, [out](int64_t i, float v) { out[i] = v; });
+}
+
+void decodeAccumulateBlock(Wire w, const uint8_t* block, float* acc, int64_t n) {
+  checkN(n, "decodeAccumulateBlock");
+  if (w == Wire::BF16) return decodeAccumulate(reinterpret_cast<const uint16_t*>(block), acc, n);
+  forEachValue(w, block, n, [acc](int64_t i, float v) { acc[i] = el::add(acc[i], v); });
+}
 
 }  // namespace xirang::codec

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace xirang::codec {
 
@@ -86,5 +87,43 @@ void encodeEF(const float* x, float scale, const float* r_in, float* r_out, uint
 // r_out may alias r_in; out may alias in.
 void accumulateEncodeEF(const uint16_t* in, const float* x, float scale, const float* r_in,
                         float* r_out, uint16_t* out, int64_t n);
+
+// ---------------------------------------------------------------------------------------------
+// Wire formats of the error-feedback allreduce (collectives.h: allreduceEF, allreduceEFDirect)
+// ---------------------------------------------------------------------------------------------
+//
+//   BF16  2 bytes per element, no scale (the functions above).
+//   FP16  2-byte IEEE binary16 codes, one fp32 scale per segment of kWireSegment elements: the
+//         power of two 2^(e-14) for the segment's largest finite magnitude in [2^e, 2^(e+1)), so
+//         large gradients cannot overflow fp16 (horovod#1699) and small ones keep 11 bits; the
+//         only rounding is fp16's RNE of s / scale (exact division by a power of two).
+//   INT8  1-byte codes, one fp32 scale = amax / 127 per segment (amax: the largest finite
+//         magnitude), code = round-half-even(s / scale) clamped to [-127, 127], -128 for an inf or
+//         NaN element (decoded as NaN): xirang.fsdp's int8 wire, bit for bit.
+//
+// A block of n elements is the n codes followed by ceil(n / kWireSegment) fp32 scales (native
+// byte order, unaligned); segments start at the block's first element, the last one is short when
+// n is not a multiple. A BF16 block is the n bf16 codes alone. Decoded values are code x scale;
+// every rounding's error goes to the residual (s - value, with efRound's rule for a finite s
+// whose value is infinite: the residual stays r_in). 1024 elements = 4 KiB of fp32 per scale: the
+// scales add 0.4% to int8's bytes (0.251x of fp32 in all), and one large element coarsens only
+// its 1023 neighbours.
+enum class Wire : int { BF16 = 0, FP16 = 1, INT8 = 2 };
+constexpr int64_t kWireSegment = 1024;
+
+// "bf16", "fp16", "int8".
+const char* wireName(Wire w);
+// The Wire named `name` (wireName's spelling); std::invalid_argument naming the accepted values.
+Wire wireFromName(const std::string& name);
+// Bytes of a block of n >= 0 elements in format w (std::invalid_argument for n < 0).
+uint64_t blockBytes(Wire w, int64_t n);
+
+// One block, with error feedback at the encoder: s = x*scale + r_in; block = the codes (and
+// scales) of s; r_out = s - decoded value. r_out may alias r_in. BF16: encodeEF.
+void encodeBlockEF(Wire w, const float* x, float scale, const float* r_in, float* r_out, uint8_t* block, int64_t n);
+// out[i] = the decoded value of element i of the block. BF16: decode.
+void decodeBlock(Wire w, const uint8_t* block, float* out, int64_t n);
+// acc[i] = acc[i] + decoded value i (computed in that order). BF16: decodeAccumulate.
+void decodeAccumulateBlock(Wire w, const uint8_t* block, float* acc, int64_t n);
 
 }  // namespace xirang::codec

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/algorithms/reducer.h"
+#include "core/codec.h"
 #include "core/dtype.h"
 #include "core/transport/transport.h"
 
@@ -145,18 +146,21 @@ void allreduce16(const Comm& comm, const OpCtx& ctx, uint16_t* data, int64_t num
 // on all ranks. Wire bytes per rank: 2 * 2(N-1)/N * n.
 void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n);
 
-// The direct form of the same compressed allreduce (the default over NCCL; usable over any link):
-// every rank encodes its whole buffer once, out = bf16(x/N + r_in) with r_out = the rounding
-// error (error feedback at the sender), sends chunk q of its bf16 buffer straight to the chunk's
-// owner ring[q] (ring::partition's chunks), the owner decodes the N contributions and sums them in
-// fp32 in rank order, rounds the sum once to bf16 (adding its own residual of that chunk first
-// and keeping the new rounding error as its residual, so nothing is lost:
-// sum_t y_t + sum_i r_i = sum_t sum_i x_(i,t)/N up to fp32 rounding), and a ring allgather of the
-// bf16 chunks follows. One rounding of each contribution and one of each sum, against one per hop
-// on the ring; 2(N-1)/N x 2n bytes per rank as the ring, but N-1 peers at once in the first
-// phase. Aliasing, non-finite handling and the result's bits across ranks as allreduceBF16EF.
-void allreduceBF16EFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
-                           int64_t n);
+// The direct form of the same compressed allreduce (the default over NCCL; usable over any link),
+// in wire format w (codec.h: Wire): every rank encodes its buffer once, chunk by chunk (ring::
+// partition's chunks, chunk q as one codec block), s = x/N + r_in with r_out = the rounding error
+// (error feedback at the sender), sends block q straight to the chunk's owner ring[q], the owner
+// decodes the N contributions and sums them in fp32 in rank order, encodes the sum once (adding
+// its own residual of that chunk first and keeping the new rounding error as its residual, so
+// nothing is lost: sum_t y_t + sum_i r_i = sum_t sum_i x_(i,t)/N up to fp32 rounding), and a ring
+// allgather of the blocks follows; every rank decodes the same blocks. One rounding of each
+// contribution and one of each sum, against one per hop on the ring. Bytes per rank: 2(N-1)/N x
+// blockBytes (BF16 / FP16 2n, plus 4 bytes per 1024-element segment for FP16 / INT8's scales;
+// INT8 n), with N-1 peers at once in the first phase. Aliasing and the result's bits across ranks
+// as allreduceBF16EF. Non-finite input: BF16 and FP16 carry inf/NaN through; INT8 codes an inf or
+// NaN element as -128, decoded as NaN; the other elements stay finite.
+void allreduceEFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n,
+                       codec::Wire w);
 
 // Broadcast `bytes` at `data` from group rank `root` along the ring (pipelined chain of segments).
 void broadcast(const Comm& comm, const OpCtx& ctx, void* data, uint64_t bytes, int root);

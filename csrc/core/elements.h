@@ -137,6 +137,7 @@ XR_HD inline T x86Result(T r, T a, T b) {
 XR_IEEE_OP(float, add, __fadd_rn, a + b)
 XR_IEEE_OP(float, sub, __fsub_rn, a - b)
 XR_IEEE_OP(float, mul, __fmul_rn, opaque(a * b))
+XR_IEEE_OP(float, div, __fdiv_rn, a / b)
 XR_IEEE_OP(double, add, __dadd_rn, a + b)
 XR_IEEE_OP(double, sub, __dsub_rn, a - b)
 XR_IEEE_OP(double, mul, __dmul_rn, opaque(a * b))
@@ -229,6 +230,50 @@ XR_HD inline uint16_t accumulateEncodeEF(uint16_t in, float x, float scale, floa
 
 // acc + f32(in).
 XR_HD inline float decodeAccumulate(float acc, uint16_t in) { return add(acc, bf16ToF32(in)); }
+
+// ---------------------------------------------------------------------------------------------
+// Scaled wire formats with error feedback: fp16 and int8 codes, one fp32 scale per segment
+// (codec.h: Wire, encodeBlockEF). A value is code x scale; the scale comes from the segment's
+// largest finite magnitude `amax`; inf/NaN elements do not enter it.
+// ---------------------------------------------------------------------------------------------
+
+// int8: scale = amax / 127 (codes -127..127, round half to even of s / scale; 0 when amax is 0 or
+// underflows). -128 flags an inf/NaN element and decodes to NaN (xirang.fsdp's int8 wire, bit for
+// bit).
+constexpr int8_t kInt8NonFinite = -128;
+XR_HD inline float int8Scale(float amax) { return div(amax, 127.0f); }
+XR_HD inline int8_t int8Code(float s, float scale) {
+  if (isNan(s) || isInf(s)) return kInt8NonFinite;
+  if (!(scale > 0.0f)) return 0;
+  // Round half to even through the 2^23 + 2^22 trick: |s / scale| <= 127 (1 + 2^-23).
+  float q = sub(add(div(s, scale), 12582912.0f), 12582912.0f);
+  q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+  return static_cast<int8_t>(q);
+}
+XR_HD inline float int8Value(int8_t c, float scale) {
+  return c == kInt8NonFinite ? floatOf(0x7FC00000u) : mul(static_cast<float>(c), scale);
+}
+
+// fp16: the power of two scale = 2^(e-14) for amax in [2^e, 2^(e+1)) (at least 2^-126), so that
+// amax / scale lies in [2^14, 2^15): no overflow to fp16's inf (65504), 11 significant bits for
+// every value down to amax x 2^-29. Multiplying by a power of two and its reciprocal is exact:
+// the only rounding is fp16's. inf/NaN elements stay inf/NaN (fp16 has them).
+XR_HD inline float fp16Scale(float amax) {
+  uint32_t e = (bitsOf(amax) >> 23) & 0xFFu;
+  e = e < 15u ? 15u : e;
+  return floatOf((e - 14u) << 23);
+}
+XR_HD inline uint16_t fp16Code(float s, float scale) {
+  const uint32_t e = (bitsOf(scale) >> 23) & 0xFFu;
+  return floatToHalf(mul(s, floatOf((254u - e) << 23)));  // s / scale, exactly
+}
+XR_HD inline float fp16Value(uint16_t c, float scale) { return mul(halfToFloat(c), scale); }
+
+// The residual of one scaled rounding: s - v; a finite s whose value v came out infinite (|s|
+// near FLT_MAX) keeps r_in, as efRound does.
+XR_HD inline float scaledResidual(float s, float v, float r_in) {
+  return (isInf(v) && !isInf(s) && !isNan(s)) ? r_in : sub(s, v);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Reductions (reduce.h's rules)

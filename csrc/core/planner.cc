@@ -89,9 +89,10 @@ class LinkCollectives final : public Collectives {
                  double premul) const override {
     allreduceOp(c, ctx, data, numel, dtype, op, premul);
   }
-  void allreduceEF(const Comm& c, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
-                   int64_t n) const override {
-    allreduceBF16EF(c, ctx, x, r_in, r_out, n);
+  void allreduceEF(const Comm& c, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n,
+                   codec::Wire wire) const override {
+    if (wire == codec::Wire::BF16) return allreduceBF16EF(c, ctx, x, r_in, r_out, n);
+    allreduceEFDirect(c, ctx, x, r_in, r_out, n, wire);
   }
   void reduceScatter(const Comm& c, const OpCtx& ctx, const std::vector<transport::RecvSeg>& blocks, DType wire,
                      ReduceOp op) const override {

@@ -148,7 +148,7 @@ inline void allCollectives(Env& e) {
       if (form == 0) {
         xirang::allreduceBF16EF(c, ctx, x, ra, ra, count);
       } else {
-        xirang::allreduceBF16EFDirect(c, ctx, x, ra, rb, count);
+        xirang::allreduceEFDirect(c, ctx, x, ra, rb, count, xirang::codec::Wire::BF16);
         std::swap(ra, rb);
       }
       e.finish();

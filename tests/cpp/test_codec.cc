@@ -539,3 +539,153 @@ TEST_CASE("codec: residual carries the rounding error across steps (telescoping 
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Scaled wire formats (codec.h: Wire, encodeBlockEF / decodeBlock / decodeAccumulateBlock),
+// against references computed here in fp64 / with std::nearbyint, independently of elements.h.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// Inputs whose magnitude changes from segment to segment (2^-20 .. 2^20) and inside it.
+std::vector<float> scaledInputs(int64_t n, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int seg_exp = static_cast<int>((i / cd::kWireSegment) * 7 % 41) - 20;
+    x[i] = std::ldexp(u(g), seg_exp + static_cast<int>(g() % 5) - 2);
+  }
+  return x;
+}
+
+float scaleOf(cd::Wire w, const std::vector<uint8_t>& block, int64_t n, int64_t seg) {
+  const size_t code = w == cd::Wire::INT8 ? 1 : 2;
+  float s;
+  std::memcpy(&s, block.data() + code * n + 4 * seg, 4);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("codec: block sizes of the wire formats", "[codec][wire]") {
+  for (int64_t n : {0, 1, 7, 1023, 1024, 1025, 4097}) {
+    const uint64_t segs = static_cast<uint64_t>((n + 1023) / 1024);
+    CHECK(cd::blockBytes(cd::Wire::BF16, n) == 2 * static_cast<uint64_t>(n));
+    CHECK(cd::blockBytes(cd::Wire::FP16, n) == 2 * static_cast<uint64_t>(n) + 4 * segs);
+    CHECK(cd::blockBytes(cd::Wire::INT8, n) == static_cast<uint64_t>(n) + 4 * segs);
+  }
+  CHECK_THROWS_AS(cd::blockBytes(cd::Wire::INT8, -1), std::invalid_argument);
+  for (cd::Wire w : {cd::Wire::BF16, cd::Wire::FP16, cd::Wire::INT8}) CHECK(cd::wireFromName(cd::wireName(w)) == w);
+  CHECK_THROWS_WITH(cd::wireFromName("fp8"), Catch::Contains("fp8") && Catch::Contains("bf16, fp16 or int8"));
+}
+
+TEST_CASE("codec: fp16 and int8 blocks: codes, scales and the EF identity against a reference", "[codec][wire]") {
+  const cd::Wire w = GENERATE(cd::Wire::FP16, cd::Wire::INT8);
+  const int64_t n = GENERATE(0, 1, 7, 1023, 1024, 1025, 4097);
+  const bool alias = GENERATE(false, true);
+  CAPTURE(cd::wireName(w), n, alias);
+  const float scale = 1.0f / 3.0f;
+  const auto x = scaledInputs(n, 11);
+  auto r_in = scaledInputs(n, 12);
+  for (auto& v : r_in) v *= 1e-3f;
+  std::vector<float> r_out(r_in);
+  std::vector<uint8_t> block(cd::blockBytes(w, n) + 1, 0xAB);  // one guard byte
+  cd::encodeBlockEF(w, x.data(), scale, r_in.data(), alias ? r_out.data() : r_out.data(), block.data(), n);
+  if (!alias) {
+    // r_out separate: encode again into a separate residual and compare (aliasing changes nothing).
+    std::vector<float> r2(static_cast<size_t>(n));
+    std::vector<uint8_t> b2(block.size(), 0xAB);
+    std::vector<float> r_copy(r_in);
+    cd::encodeBlockEF(w, x.data(), scale, r_copy.data(), r_copy.data(), b2.data(), n);
+    CHECK(b2 == block);
+    CHECK(std::memcmp(r_copy.data(), r_out.data(), 4 * static_cast<size_t>(n)) == 0);
+  }
+  CHECK(block.back() == 0xAB);
+  std::vector<float> dec(static_cast<size_t>(n)), acc(static_cast<size_t>(n), 0.25f);
+  cd::decodeBlock(w, block.data(), dec.data(), n);
+  cd::decodeAccumulateBlock(w, block.data(), acc.data(), n);
+  int64_t bad = 0, bad_code = 0, bad_bound = 0, bad_value = 0, bad_id = 0, bad_acc = 0;
+  for (int64_t s0 = 0, k = 0; s0 < n; s0 += 1024, ++k) {
+    const int64_t end = std::min(n, s0 + 1024);
+    volatile float vs;  // s exactly as the contract says: fp32 multiply, then fp32 add
+    double amax = 0;
+    std::vector<float> s(static_cast<size_t>(end - s0));
+    for (int64_t i = s0; i < end; ++i) {
+      vs = x[i] * scale;
+      vs = vs + r_in[i];
+      s[i - s0] = vs;
+      amax = std::max(amax, std::fabs(static_cast<double>(vs)));
+    }
+    const float sc = scaleOf(w, block, n, k);
+    if (w == cd::Wire::INT8) {
+      CHECK(sc == static_cast<float>(amax) / 127.0f);
+    } else {
+      int e;
+      std::frexp(sc, &e);
+      CHECK(sc == std::ldexp(1.0f, e - 1));  // a power of two
+      CHECK(amax / sc >= 16384.0);
+      CHECK(amax / sc < 32768.0);
+    }
+    for (int64_t i = s0; i < end; ++i) {
+      const float si = s[i - s0];
+      double want;
+      if (w == cd::Wire::INT8) {
+        const float q = std::max(-127.0f, std::min(127.0f, std::nearbyint(si / sc)));
+        want = static_cast<double>(q) * sc;
+        if (static_cast<int8_t>(block[i]) != static_cast<int8_t>(q)) ++bad_code;
+        // Half a code step, plus the rounding of the product code x scale (<= 127 x scale x 2^-24).
+        if (std::fabs(static_cast<double>(r_out[i])) > 0.5 * sc + 128.0 * sc * std::ldexp(1.0, -24)) ++bad_bound;
+      } else {
+        want = static_cast<double>(static_cast<float>(static_cast<_Float16>(si / sc))) * sc;
+        if (std::fabs(static_cast<double>(r_out[i])) > amax * std::ldexp(1.0, -11)) ++bad_bound;
+      }
+      if (static_cast<float>(want) != dec[i]) ++bad_value;
+      // EF identity: value + residual == s exactly (the residual is the exact rounding error).
+      if (static_cast<double>(dec[i]) + static_cast<double>(r_out[i]) != static_cast<double>(si)) ++bad_id;
+      if (acc[i] != 0.25f + dec[i]) ++bad_acc;
+    }
+  }
+  CHECK(bad_code == 0);
+  CHECK(bad_bound == 0);
+  CHECK(bad_value == 0);
+  CHECK(bad_id == 0);
+  CHECK(bad_acc == 0);
+  CHECK(bad == 0);
+}
+
+TEST_CASE("codec: fp16 and int8 blocks: non-finite elements and FLT_MAX", "[codec][wire]") {
+  const cd::Wire w = GENERATE(cd::Wire::FP16, cd::Wire::INT8);
+  CAPTURE(cd::wireName(w));
+  const int64_t n = 3000;
+  auto x = scaledInputs(n, 5);
+  const float inf = std::numeric_limits<float>::infinity();
+  x[10] = std::numeric_limits<float>::quiet_NaN();
+  x[20] = inf;
+  x[30] = -inf;
+  x[2000] = std::numeric_limits<float>::max();  // segment 1
+  std::vector<float> r_in(static_cast<size_t>(n), 0.0f), r_out(static_cast<size_t>(n)), dec(static_cast<size_t>(n));
+  r_in[2000] = 0.5f;
+  std::vector<uint8_t> block(cd::blockBytes(w, n));
+  cd::encodeBlockEF(w, x.data(), 1.0f, r_in.data(), r_out.data(), block.data(), n);
+  cd::decodeBlock(w, block.data(), dec.data(), n);
+  CHECK(std::isnan(dec[10]));
+  if (w == cd::Wire::INT8) {
+    CHECK(std::isnan(dec[20]));
+    CHECK(std::isnan(dec[30]));
+  } else {
+    CHECK(dec[20] == inf);
+    CHECK(dec[30] == -inf);
+  }
+  // The non-finite elements do not enter their segment's scale: the others stay accurate.
+  for (int64_t i = 0; i < 1024; ++i) {
+    if (i == 10 || i == 20 || i == 30) continue;
+    REQUIRE(std::isfinite(dec[i]));
+    REQUIRE(static_cast<double>(dec[i]) + r_out[i] == static_cast<double>(x[i]));
+  }
+  // FLT_MAX: the value is FLT_MAX-sized or +inf; an infinite value keeps the old residual.
+  if (std::isinf(dec[2000])) CHECK(r_out[2000] == 0.5f);
+  else CHECK(static_cast<double>(dec[2000]) + r_out[2000] == static_cast<double>(x[2000] + 0.5f));
+  for (int64_t i = 1024; i < n; ++i)
+    if (i != 2000) REQUIRE(std::isfinite(dec[i]));
+}

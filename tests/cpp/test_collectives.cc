@@ -438,6 +438,135 @@ TEST_CASE("collectives: BF16 error-feedback allreduce turns non-finite input int
   }
 }
 
+TEST_CASE("collectives: fp16 and int8 error-feedback allreduce (direct form): replicas, bytes, the EF invariant",
+          "[collectives][wire]") {
+  const auto w = GENERATE(xirang::codec::Wire::FP16, xirang::codec::Wire::INT8);
+  const int n = GENERATE(1, 2, 3, 4, 5, 6);
+  const bool permuted = GENERATE(false, true);
+  if (permuted && n < 3) return;
+  const std::vector<int> ring = ringFor(n, permuted);
+  constexpr int T = 20;
+  CAPTURE(xirang::codec::wireName(w), n, ring);
+  Group g(n);
+  std::vector<Log> logs(static_cast<size_t>(n));
+  std::vector<std::vector<std::vector<float>>> residual(kSizes.size(), std::vector<std::vector<float>>(n));
+  std::vector<std::vector<std::vector<double>>> ysum(kSizes.size(), std::vector<std::vector<double>>(n));
+  std::vector<std::vector<uint64_t>> sent(kSizes.size(), std::vector<uint64_t>(n, 0));
+  g.run([&](int r) {
+    uint64_t seq = 0;
+    for (size_t k = 0; k < kSizes.size(); ++k) {
+      const int64_t count = kSizes[k].count;
+      Comm comm = g.comm(r, ring);
+      comm.segment_bytes = kSizes[k].segment_bytes;
+      const bool alias = k % 2 == 0;
+      std::vector<float> ra(count, 0.0f), rb(count, 0.0f), x(count);
+      std::vector<double> ys(count, 0.0);
+      for (int t = 0; t < T; ++t) {
+        for (int64_t i = 0; i < count; ++i) x[i] = efInput(r, t, i);
+        xirang::Phases ph;
+        float* r_out = alias ? ra.data() : rb.data();
+        xirang::allreduceEFDirect(comm, ctxFor(tp::OpKind::AllreduceEF, DType::Float32, ReduceOp::Avg, count, ++seq, &ph),
+                                  x.data(), ra.data(), r_out, count, w);
+        if (!alias) std::swap(ra, rb);
+        logs[r].hashes.push_back(fnv1a(x.data(), x.size() * 4));
+        for (int64_t i = 0; i < count; ++i) ys[i] += x[i];
+        sent[k][r] += ph.bytes_sent;
+        const std::string want_algo = w == xirang::codec::Wire::INT8 ? "direct_int8_ef" : "direct_fp16_ef";
+        if (want_algo != ph.algorithm) logs[r].error("algorithm " + std::string(ph.algorithm));
+      }
+      residual[k][r] = ra;
+      ysum[k][r] = ys;
+    }
+  });
+  expectClean(logs);  // also: every rank's outputs hash alike (bitwise equal replicas)
+  for (size_t k = 0; k < kSizes.size(); ++k) {
+    const int64_t count = kSizes[k].count;
+    CAPTURE(count, kSizes[k].segment_bytes);
+    // Bytes: each rank sends its blocks for the other owners, and the ring allgather moves every
+    // block n-1 hops: 2(n-1) x the wire buffer over all ranks.
+    uint64_t wire = 0;
+    for (const auto& c : xirang::ring::partition(count, n)) wire += xirang::codec::blockBytes(w, c.count);
+    uint64_t total = 0;
+    for (int q = 0; q < n; ++q) total += sent[k][q];
+    CHECK(total == 2 * static_cast<uint64_t>(n - 1) * wire * T);
+    // Error-feedback invariant: sum_t y_t + sum_i r_i,T == sum_t sum_i x_i,t / N (1e-5 relative).
+    int64_t bad = 0, first = -1;
+    double worst = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      double want = 0, mag = 0;
+      for (int t = 0; t < T; ++t)
+        for (int q = 0; q < n; ++q) {
+          want += static_cast<double>(efInput(q, t, i)) / n;
+          mag += std::fabs(static_cast<double>(efInput(q, t, i))) / n;
+        }
+      double have = ysum[k][0][i];
+      for (int q = 0; q < n; ++q) have += residual[k][q][i];
+      const double rel = std::fabs(have - want) / mag;
+      worst = std::max(worst, rel);
+      if (!(rel <= 1e-5)) {
+        if (first < 0) first = i;
+        ++bad;
+      }
+    }
+    CAPTURE(first, worst);
+    CHECK(bad == 0);
+    if (count >= 100) {
+      bool any = false;
+      for (int q = 0; q < n; ++q)
+        for (float v : residual[k][q]) any |= v != 0.0f;
+      CHECK(any);
+    }
+  }
+}
+
+TEST_CASE("collectives: fp16 and int8 error-feedback allreduce: non-finite elements stay where they are",
+          "[collectives][wire]") {
+  const auto w = GENERATE(xirang::codec::Wire::FP16, xirang::codec::Wire::INT8);
+  const int n = GENERATE(1, 2, 3, 4);
+  Group g(n);
+  constexpr int64_t count = 5000;
+  std::vector<std::vector<float>> out(n);
+  g.run([&](int r) {
+    Comm comm = g.comm(r, ringFor(n, n >= 3));
+    std::vector<float> x(count), res(count, 0.0f);
+    for (int64_t i = 0; i < count; ++i) x[i] = efInput(r, 0, i);
+    if (r == 1 % n) x[3] = std::numeric_limits<float>::quiet_NaN();
+    if (r == 0) x[5] = std::numeric_limits<float>::infinity();
+    if (r == n - 1) x[4000] = -std::numeric_limits<float>::infinity();
+    xirang::allreduceEFDirect(comm, ctxFor(tp::OpKind::AllreduceEF, DType::Float32, ReduceOp::Avg, count, 1), x.data(),
+                              res.data(), res.data(), count, w);
+    out[r] = x;
+  });
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(xirang::codec::wireName(w), n, r);
+    CHECK(std::memcmp(out[r].data(), out[0].data(), count * 4) == 0);
+    CHECK(std::isnan(out[r][3]));
+    CHECK(!std::isfinite(out[r][5]));
+    CHECK(!std::isfinite(out[r][4000]));
+    int64_t finite = 0;
+    for (int64_t i = 0; i < count; ++i) finite += std::isfinite(out[r][i]) ? 1 : 0;
+    CHECK(finite == count - 3);
+  }
+}
+
+TEST_CASE("collectives: ranks on different wire formats fail, not mix", "[collectives][wire]") {
+  Group g(2);
+  std::vector<std::string> err(2);
+  g.run([&](int r) {
+    Comm comm = g.comm(r, {0, 1});
+    std::vector<float> x(4096, 1.0f), res(4096, 0.0f);
+    try {
+      xirang::allreduceEFDirect(comm, ctxFor(tp::OpKind::AllreduceEF, DType::Float32, ReduceOp::Avg, 4096, 1), x.data(),
+                                res.data(), res.data(), 4096,
+                                r == 0 ? xirang::codec::Wire::FP16 : xirang::codec::Wire::INT8);
+    } catch (const std::exception& e) {
+      err[r] = e.what();
+    }
+  });
+  CHECK(!err[0].empty());
+  CHECK(!err[1].empty());
+}
+
 // ------------------------------------------------------------------------------------------
 // Data movement collectives.
 

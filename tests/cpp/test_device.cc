@@ -621,7 +621,7 @@ TEST_CASE("device: the direct BF16 error-feedback allreduce conserves the sum an
       xirang::Phases ph;
       OpCtx ctx = ctxFor(tp::OpKind::AllreduceEF, DType::Float32, ReduceOp::Avg, count, t + 1);
       ctx.phases = &ph;
-      xirang::allreduceBF16EFDirect(c, ctx, x.data(), ra.data(), rb.data(), count);
+      xirang::allreduceEFDirect(c, ctx, x.data(), ra.data(), rb.data(), count, xirang::codec::Wire::BF16);
       std::swap(ra, rb);
       for (int64_t i = 0; i < count; ++i) ysum[r][i] += x[i];
       outs[r].push_back(x);

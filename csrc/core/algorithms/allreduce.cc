@@ -76,40 +76,50 @@ void runExchange(const Comm& comm, const OpCtx& ctx, std::vector<SendJob>& sends
 
 namespace {
 
-// The direct form's scatter (16-bit wire): chunk q of this rank's `src` goes to the member at ring
-// position q; every member's contribution to this rank's chunk lands in scratch slot 2, slot k
+// The direct form's layout of a wire buffer: chunk q of ring::partition's chunks is the block
+// blocks[q] of codec::blockBytes(w, count) bytes, the blocks one after the other (for BF16 and
+// other 16-bit wires: chunk q's elements at their own offsets, 2 bytes each).
+std::vector<RecvSeg> ownerBlocks(uint8_t* base, const std::vector<ring::Range>& chunks, codec::Wire w) {
+  std::vector<RecvSeg> blocks;
+  uint64_t off = 0;
+  for (const auto& c : chunks) {
+    const uint64_t b = codec::blockBytes(w, c.count);
+    blocks.push_back(RecvSeg{base + off, b});
+    off += b;
+  }
+  return blocks;
+}
+
+// The direct form's scatter: block q of this rank's wire buffer goes to the member at ring
+// position q; every member's block for this rank's position lands in scratch slot 2, slot k
 // holding the k-th member in rank order (so the owner folds in rank order on every path). Returns
-// the slots: n x mine.count values. aux: the frames' header aux.
-uint16_t* sendToOwners16(const Comm& comm, const OpCtx& ctx, uint16_t* src, const std::vector<ring::Range>& chunks,
-                         const ring::Range& mine, uint64_t aux) {
+// the slots: n blocks of blocks[position].bytes. aux: the frames' header aux.
+uint8_t* sendToOwners(const Comm& comm, const OpCtx& ctx, const std::vector<RecvSeg>& blocks, uint64_t aux) {
   const int n = comm.size();
   const auto order = rankOrder(comm);
-  uint16_t* slots = reinterpret_cast<uint16_t*>(comm.scratchBytes(2, static_cast<size_t>(mine.count) * 2 * n));
-  auto slotOf = [&](int r) { return slots + mine.count * static_cast<int64_t>(indexIn(order, r)); };
-  comm.reducer->copy(slotOf(comm.rank), src + mine.offset, static_cast<uint64_t>(mine.count) * 2);
+  const uint64_t mine = blocks[static_cast<size_t>(comm.position())].bytes;
+  uint8_t* slots = comm.scratchBytes(2, static_cast<size_t>(mine) * n);
+  auto slotOf = [&](int r) { return slots + mine * indexIn(order, r); };
+  comm.reducer->copy(slotOf(comm.rank), blocks[static_cast<size_t>(comm.position())].data, mine);
   const uint64_t seg = algo::segmentBytes(comm, 2);
   std::vector<SendJob> sends;
   std::vector<RecvJob> recvs;
   for (int q = 0; q < n; ++q) {
     const int r = comm.ring[q];
     if (r == comm.rank) continue;
-    sends.push_back(SendJob{r, headerFor(ctx, aux),
-                            algo::sendSegments(src + chunks[q].offset, static_cast<uint64_t>(chunks[q].count) * 2, seg)});
-    recvs.push_back(RecvJob{r, headerFor(ctx, aux),
-                            algo::recvSegments(slotOf(r), static_cast<uint64_t>(mine.count) * 2, seg), nullptr});
+    sends.push_back(SendJob{r, headerFor(ctx, aux), algo::sendSegments(blocks[static_cast<size_t>(q)].data,
+                                                                       blocks[static_cast<size_t>(q)].bytes, seg)});
+    recvs.push_back(RecvJob{r, headerFor(ctx, aux), algo::recvSegments(slotOf(r), mine, seg), nullptr});
   }
   runExchange(comm, ctx, sends, recvs);
   return slots;
 }
 
-// The direct form's allgather (16-bit wire): position q owns chunks[q], which in the ring
-// allgather's layout is ring chunk q+1.
-void allgatherFromOwners16(const Comm& comm, const OpCtx& ctx, uint16_t* data, const std::vector<ring::Range>& chunks) {
+// The direct form's allgather: position q owns blocks[q], which in the ring allgather's layout
+// is ring chunk q+1.
+void allgatherFromOwners(const Comm& comm, const OpCtx& ctx, const std::vector<RecvSeg>& blocks) {
   const int n = comm.size();
-  algo::allgather(comm, ctx, 2, [&](int c) {
-    const auto& r = chunks[static_cast<size_t>((c - 1 + n) % n)];
-    return RecvSeg{data + r.offset, static_cast<uint64_t>(r.count) * 2};
-  });
+  algo::allgather(comm, ctx, 1, [&](int c) { return blocks[static_cast<size_t>((c - 1 + n) % n)]; });
 }
 
 }  // namespace
@@ -223,13 +233,13 @@ void allreduce16(const Comm& comm, const OpCtx& ctx, uint16_t* data, int64_t num
   const int pos = comm.position();
   auto chunks = ring::partition(numel, n);
   const auto& mine = chunks[static_cast<size_t>(pos)];
+  const auto blocks = ownerBlocks(reinterpret_cast<uint8_t*>(data), chunks, codec::Wire::BF16);  // 2 bytes each
   auto t0 = Clock::now();
-  uint16_t* slots = sendToOwners16(comm, ctx, data, chunks, mine, 1);
+  const auto* slots = reinterpret_cast<const uint16_t*>(sendToOwners(comm, ctx, blocks, 1));
   auto t1 = Clock::now();
   comm.reducer->combine16(slots, n, mine.count, t, op, pre_scale, post_scale, data + mine.offset);
   auto t2 = Clock::now();
-  // Position q reduced chunks[q]; in the ring allgather's layout that is ring chunk q+1.
-  allgatherFromOwners16(comm, ctx, data, chunks);
+  allgatherFromOwners(comm, ctx, blocks);
   if (ctx.phases) {
     ctx.phases->scatter_reduce_s += between(t0, t1);
     ctx.phases->encode_s += between(t1, t2);
@@ -239,13 +249,14 @@ void allreduce16(const Comm& comm, const OpCtx& ctx, uint16_t* data, int64_t num
 
 namespace {
 // What both compressed allreduces start from: the average's scale 1/N, the reducer, the bf16
-// wire buffer of numel elements (scratch slot 1), the phases to add to (ctx's or a dummy).
+// wire buffer of numel elements (scratch slot 1; none for numel 0: the direct form lays out its
+// own), the phases to add to (ctx's or a dummy).
 struct EFRun {
   EFRun(const Comm& comm, const OpCtx& ctx, int64_t numel, const char* algorithm)
       : n(comm.size()),
         scale(1.0f / static_cast<float>(n)),
         red(*comm.reducer),
-        wire(reinterpret_cast<uint16_t*>(comm.scratchBytes(1, static_cast<size_t>(numel) * 2))),
+        wire(numel > 0 ? reinterpret_cast<uint16_t*>(comm.scratchBytes(1, static_cast<size_t>(numel) * 2)) : nullptr),
         ph(ctx.phases ? *ctx.phases : dummy) {
     ph.algorithm = algorithm;
   }
@@ -314,35 +325,56 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
   ph.allgather_s += between(t2, t3);
 }
 
-void allreduceBF16EFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
-                           int64_t numel) {
-  EFRun run(comm, ctx, numel, "direct_bf16_ef");
+void allreduceEFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t numel,
+                       codec::Wire w) {
+  static const char* const kNames[] = {"direct_bf16_ef", "direct_fp16_ef", "direct_int8_ef"};
+  EFRun run(comm, ctx, 0, kNames[static_cast<int>(w)]);
   const int n = run.n;
   algo::Reducer& red = run.red;
-  uint16_t* wire = run.wire;
   Phases& ph = run.ph;
-  run.encodeAll(x, r_in, r_out, numel);  // the sender's rounding, fed back through r_out
+  const auto chunks = ring::partition(numel, std::max(n, 1));
+  // The wire buffer, scratch slot 1: block q holds chunk q (codes, then scales).
+  uint64_t bytes = 0;
+  for (const auto& c : chunks) bytes += codec::blockBytes(w, c.count);
+  const auto blocks = ownerBlocks(comm.scratchBytes(1, static_cast<size_t>(bytes)), chunks, w);
+  auto forEachBlock = [&](auto&& f) {
+    for (size_t q = 0; q < chunks.size(); ++q) f(chunks[q], blocks[q].data);
+  };
+  auto t0 = Clock::now();
+  // The sender's rounding, fed back through r_out.
+  forEachBlock([&](const ring::Range& c, void* b) {
+    red.encodeBlockEF(w, x + c.offset, run.scale, r_in + c.offset, r_out + c.offset, static_cast<uint8_t*>(b),
+                      c.count);
+  });
+  ph.encode_s += since(t0);
+  auto decodeAll = [&] {
+    auto t = Clock::now();
+    forEachBlock([&](const ring::Range& c, void* b) {
+      red.decodeBlock(w, static_cast<const uint8_t*>(b), x + c.offset, c.count);
+    });
+    ph.decode_s += since(t);
+  };
   if (n <= 1) {
-    run.decodeAll(x, numel);
+    decodeAll();
     return;
   }
-  const int pos = comm.position();
-  const auto chunks = ring::partition(numel, n);
-  const auto& mine = chunks[static_cast<size_t>(pos)];
+  const auto& mine = chunks[static_cast<size_t>(comm.position())];
+  const uint64_t mine_bytes = blocks[static_cast<size_t>(comm.position())].bytes;
   auto t1 = Clock::now();
-  uint16_t* slots = sendToOwners16(comm, ctx, wire, chunks, mine, 2);
+  // aux 2 for bf16 (as before), 12 for fp16, 22 for int8: ranks on different formats are told.
+  const uint8_t* slots = sendToOwners(comm, ctx, blocks, 2 + 10 * static_cast<uint64_t>(w));
   auto t2 = Clock::now();
   // fp32 sum in rank order (the same operands in the same order on every path), one rounding.
   float* acc = reinterpret_cast<float*>(comm.scratchBytes(3, static_cast<size_t>(mine.count) * 4));
-  red.decode(slots, acc, mine.count);
-  for (int k = 1; k < n; ++k) red.decodeAccumulate(slots + mine.count * static_cast<int64_t>(k), acc, mine.count);
-  red.encodeEF(acc, 1.0f, r_out + mine.offset, r_out + mine.offset, wire + mine.offset, mine.count);
+  red.decodeBlock(w, slots, acc, mine.count);
+  for (int k = 1; k < n; ++k) red.decodeAccumulateBlock(w, slots + mine_bytes * static_cast<uint64_t>(k), acc, mine.count);
+  red.encodeBlockEF(w, acc, 1.0f, r_out + mine.offset, r_out + mine.offset,
+                    static_cast<uint8_t*>(blocks[static_cast<size_t>(comm.position())].data), mine.count);
   auto t3 = Clock::now();
-  allgatherFromOwners16(comm, ctx, wire, chunks);
+  allgatherFromOwners(comm, ctx, blocks);
   auto t4 = Clock::now();
-  // Every rank, the owner included, decodes the same bf16 values: replicas are bitwise equal.
-  red.decode(wire, x, numel);
-  ph.decode_s += since(t4);
+  // Every rank, the owner included, decodes the same blocks: replicas are bitwise equal.
+  decodeAll();
   ph.encode_s += between(t2, t3);
   ph.scatter_reduce_s += between(t1, t2);
   ph.allgather_s += between(t3, t4);

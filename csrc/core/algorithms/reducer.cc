@@ -91,4 +91,31 @@ Reducer& hostReducer() {
   return r;
 }
 
+namespace {
+void hostOnly(const Reducer& r, codec::Wire w) {
+  if (r.memory() != transport::Memory::Host)
+    throw std::runtime_error(std::string("xirang: the ") + codec::wireName(w) +
+                             " wire format runs on host memory only (no device kernels for it yet); use bf16");
+}
+}  // namespace
+
+void Reducer::encodeBlockEF(codec::Wire w, const float* x, float scale, const float* r_in, float* r_out,
+                            uint8_t* block, int64_t n) {
+  if (w == codec::Wire::BF16) return encodeEF(x, scale, r_in, r_out, reinterpret_cast<uint16_t*>(block), n);
+  hostOnly(*this, w);
+  codec::encodeBlockEF(w, x, scale, r_in, r_out, block, n);
+}
+
+void Reducer::decodeBlock(codec::Wire w, const uint8_t* block, float* out, int64_t n) {
+  if (w == codec::Wire::BF16) return decode(reinterpret_cast<const uint16_t*>(block), out, n);
+  hostOnly(*this, w);
+  codec::decodeBlock(w, block, out, n);
+}
+
+void Reducer::decodeAccumulateBlock(codec::Wire w, const uint8_t* block, float* acc, int64_t n) {
+  if (w == codec::Wire::BF16) return decodeAccumulate(reinterpret_cast<const uint16_t*>(block), acc, n);
+  hostOnly(*this, w);
+  codec::decodeAccumulateBlock(w, block, acc, n);
+}
+
 }  // namespace xirang::algo

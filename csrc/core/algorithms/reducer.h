@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 
+#include "core/codec.h"
 #include "core/dtype.h"
 #include "core/transport/transport.h"
 
@@ -44,6 +45,15 @@ class Reducer {
   virtual void decode(const uint16_t* in, float* out, int64_t n) = 0;
   // acc[i] = acc[i] + f32(in[i]) (the direct compressed allreduce's fp32 sum at the owner).
   virtual void decodeAccumulate(const uint16_t* in, float* acc, int64_t n) = 0;
+
+  // The same three steps on a block of wire format w (codec.h: encodeBlockEF, decodeBlock,
+  // decodeAccumulateBlock): BF16 is encodeEF / decode / decodeAccumulate above; FP16 and INT8
+  // run the host codec, on host memory only (std::runtime_error naming the format on a device
+  // reducer: their kernels are not written yet).
+  void encodeBlockEF(codec::Wire w, const float* x, float scale, const float* r_in, float* r_out, uint8_t* block,
+                     int64_t n);
+  void decodeBlock(codec::Wire w, const uint8_t* block, float* out, int64_t n);
+  void decodeAccumulateBlock(codec::Wire w, const uint8_t* block, float* acc, int64_t n);
 
   // 16-bit floats (t = Float16 or BFloat16) reduced once: out[i] = round16(post * fold_k(op,
   // pre * f32(slots[k*count + i]))) over k = 0..contributors-1 in that order, in fp32. Sum,

@@ -640,9 +640,9 @@ class ShmCollectives final : public Collectives {
                  double premul) const override {
     allreduceOp(c, *c.shm, ctx, data, numel, dtype, op, premul);
   }
-  void allreduceEF(const Comm& c, const OpCtx& ctx, float* x, const float* r_in, float* r_out,
-                   int64_t n) const override {
-    if (!whole(c)) return linkCollectives().allreduceEF(c, ctx, x, r_in, r_out, n);
+  void allreduceEF(const Comm& c, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n,
+                   codec::Wire wire) const override {
+    if (!whole(c)) return linkCollectives().allreduceEF(c, ctx, x, r_in, r_out, n, wire);
     shm::allreduceEF(c, *c.shm, ctx, x, r_in, r_out, n);
   }
   void reduceScatter(const Comm& c, const OpCtx& ctx, const std::vector<RecvSeg>& blocks, DType wire,
