@@ -66,7 +66,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import machine_info, run_ranks  # noqa: E402
 
 ALL_CONFIGS = ["gloo", "xirang", "xirang_hook", "xirang_hook_bc", "gloo_fp16", "gloo_bf16",
-               "gloo_powersgd", "xirang_fp16"]
+               "gloo_powersgd", "xirang_fp16", "xirang_hook_fp16", "xirang_hook_int8"]
+# The hook configs and their wire format (register_comm_hook(wire=...)).
+HOOK_WIRE = {"xirang_hook": "bf16", "xirang_hook_bc": "bf16", "xirang_hook_fp16": "fp16", "xirang_hook_int8": "int8"}
 DESCR = {
     "gloo": "gloo DDP default",
     "xirang": "xirang DDP default (no hook)",
@@ -76,6 +78,8 @@ DESCR = {
     "gloo_bf16": "gloo + torch bf16_compress_hook",
     "gloo_powersgd": "gloo + torch powerSGD_hook rank 4",
     "xirang_fp16": "xirang + torch fp16_compress_hook",
+    "xirang_hook_fp16": "xirang + fp16 (scaled) EF hook, 8 layers/group",
+    "xirang_hook_int8": "xirang + int8 (scaled) EF hook, 8 layers/group",
 }
 NOTE = ("loopback: all ranks share this machine's cores and memory bandwidth; no speed claim "
         "(speed claims: the emulated cluster, benchmarks/topology.py)")
@@ -144,10 +148,11 @@ class Config:
             # explicit cap: no small first bucket, one bucket for the whole model (see --help)
             kw["bucket_cap_mb"] = cfg["powersgd_bucket_cap_mb"]
         self.ddp = DDP(model, process_group=None if backend == "xirang" else self.pg, **kw)
-        if name in ("xirang_hook", "xirang_hook_bc"):
+        if name in HOOK_WIRE:
             import xirang
 
-            self.hook_state = xirang.register_comm_hook(self.ddp, layers_per_group=cfg["layers_per_group"])
+            self.hook_state = xirang.register_comm_hook(self.ddp, layers_per_group=cfg["layers_per_group"],
+                                                        wire=HOOK_WIRE[name])
             self.wire_kind = "measured"
         elif name == "xirang":
             self.wire_kind = "measured"

@@ -53,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--task", choices=["digits", "text"], default="digits")
     p.add_argument("--backend", choices=["xirang", "gloo"], default="xirang")
-    p.add_argument("--hook", choices=["none", "bf16-ef"], default=None,
+    p.add_argument("--hook", choices=["none", "bf16-ef", "fp16-ef", "int8-ef", "int8-noef"], default=None,
                    help="DDP comm hook: none = DDP's own allreduce; bf16-ef = xirang's bf16 with error "
-                        "feedback (needs --backend xirang). Default: bf16-ef with xirang, none with gloo")
+                        "feedback, fp16-ef / int8-ef its scaled fp16 / int8 wire formats, int8-noef int8 "
+                        "without error feedback (needs --backend xirang). Default: bf16-ef with xirang, "
+                        "none with gloo")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 instead of DDP: fully_shard on every block and the root, the reduce-scatter "
                         "through xirang.fsdp.compress (--fsdp-wire); --hook does not apply")
@@ -149,8 +151,10 @@ def make_ddp(model, args: argparse.Namespace, device: torch.device, xirang: Any,
         kw = {"forward_sync_buffers": False} if new else {"broadcast_buffers": False}
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_cap_mb, **kw)
     state = None
-    if args.hook == "bf16-ef":
-        state = xirang.register_comm_hook(ddp, layers_per_group=args.layers_per_group)
+    if args.hook not in (None, "none"):
+        wire, ef = args.hook.split("-")
+        state = xirang.register_comm_hook(ddp, layers_per_group=args.layers_per_group, wire=wire,
+                                          error_feedback=ef == "ef")
         if hook_sd is not None:
             state.load_state_dict(hook_sd)
     return ddp, state

@@ -76,7 +76,13 @@ c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpS
   op.save = std::move(spec.save);
   op.timeout = spec.timeout.count() < 0 ? cfg_.timeout : spec.timeout;
   op.tls = at::ThreadLocalState();
-  op.rec.op = spec.kind == OpKind::AllreduceEF ? "allreduce_bf16_ef" : std::string(spec.title).substr(std::strlen("xirang:"));
+  if (spec.kind == OpKind::AllreduceEF) {
+    // fp32 over codes of 2 (bf16, fp16) or 1 byte (int8); the scales (0.4%) are not discounted.
+    op.rec.op = std::string("allreduce_") + codec::wireName(spec.wire) + "_ef";
+    op.raw_per_wire = spec.wire == codec::Wire::INT8 ? 4 : 2;
+  } else {
+    op.rec.op = std::string(spec.title).substr(std::strlen("xirang:"));
+  }
   if (records_.on()) {
     op.enqueued = Clock::now();
     op.rec.seq = op.ctx.seq;
@@ -166,8 +172,7 @@ void OpQueue::runLoop() {
     std::exception_ptr error = first_error.empty() ? run(op, records_.on() ? &ph : nullptr)
                                                    : std::make_exception_ptr(std::runtime_error(first_error));
     if (records_.on())
-      records_.finish(std::move(op.rec), ph, error == nullptr, op.ctx.op == OpKind::AllreduceEF ? 2 : 1, op.enqueued,
-                      start, op.rec_ns);
+      records_.finish(std::move(op.rec), ph, error == nullptr, op.raw_per_wire, op.enqueued, start, op.rec_ns);
     op.work->complete(error);
   }
 }

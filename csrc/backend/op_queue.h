@@ -26,6 +26,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "backend/config.h"
+#include "core/codec.h"
 #include "backend/elastic.h"
 #include "backend/records.h"
 #include "backend/work.h"
@@ -46,6 +47,7 @@ struct OpSpec {
   int64_t group_id = -1;  // the hook's layer group
   std::string label{};    // its layer names
   SaveFn save{};          // elastic mode: retried on the new ring (Membership::run)
+  codec::Wire wire = codec::Wire::BF16;  // AllreduceEF's wire format: its records' op name and raw bytes
 };
 
 struct Op {
@@ -59,6 +61,7 @@ struct Op {
   Clock::time_point enqueued;
   uint64_t rec_ns = 0;  // the caller's share of building the record (Records::cost())
   SaveFn save;
+  uint64_t raw_per_wire = 1;  // what fp32 / the own dtype would send per byte sent (records' bytes_raw)
 };
 
 class OpQueue {

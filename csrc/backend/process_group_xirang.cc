@@ -259,7 +259,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceEF(at::Tensor buffer
     };
   return enqueue({.type = c10d::OpType::ALLREDUCE, .title = groupTitle(group_id), .kind = OpKind::AllreduceEF,
                   .outputs = outs, .inputs = outs, .dtype = DType::Float32, .reduce = ReduceOp::Avg, .numel = numel,
-                  .group_id = group_id, .label = std::move(label), .save = std::move(save)},
+                  .group_id = group_id, .label = std::move(label), .save = std::move(save), .wire = wire},
                  stage, [this, buffer, residual, staged, plain, wire](OpCtx& ctx) {
                    host::allreduceEF(comm(), ctx, buffer, residual, staged, plain, wire);
                  });

@@ -55,7 +55,7 @@ struct WaitClock {
 
 #define XIRANG_OP_RECORD_FIELDS(X)                                                                    \
   X(uint64_t, seq, 0)                         /* the op's sequence number; 0: point-to-point */       \
-  X(std::string, op, )                        /* "all_reduce", "allreduce_bf16_ef", "send", ... */    \
+  X(std::string, op, )                        /* "all_reduce", "allreduce_bf16_ef" (_fp16_, _int8_), "send", ... */ \
   X(std::string, algorithm, )                 /* "ring", "direct", "chain", "ring_bf16_ef", "p2p" */  \
   X(int64_t, group_id, -1)                    /* the hook's layer group, -1 otherwise */              \
   X(std::string, label, )                     /* the hook's layer names for group_id */               \

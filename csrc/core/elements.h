@@ -6,7 +6,7 @@
 // __CUDA_ARCH__).
 //
 // Floating-point rules (every platform, host and device alike):
-//   * add/sub/mul are single IEEE-754 binary32/binary64 operations rounded to nearest even, never
+//   * add/sub/mul (and fp32 div) are single IEEE-754 binary32/binary64 operations rounded to nearest even, never
 //     contracted into an FMA (device: __fadd_rn/__fmul_rn, which nvcc never fuses; host: the
 //     product passes an empty asm barrier, and the build passes -ffp-contract=off);
 //   * denormals are kept (no flush-to-zero) as long as the calling thread's MXCSR says so and the

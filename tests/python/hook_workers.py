@@ -91,7 +91,8 @@ class FakeEFBackend:
         self.calls = []
         self.ring = list(range(dist.get_world_size(pg)))
 
-    def allreduce_ef(self, buffer, residual, staged, group_id, label="", plain=()):
+    def allreduce_ef(self, buffer, residual, staged, group_id, label="", plain=(), wire="bf16"):
+        assert wire == "bf16", f"the stand-in emulates the bf16 wire only, got {wire!r}"
         for t in (buffer, residual, staged):
             assert t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous(), t
             assert t.numel() == buffer.numel()
@@ -293,7 +294,13 @@ def sc_direct(rank, ws, hooks, out, cfg):
     rec["res"] = {k: v.clone() for k, v in state.residuals.items()}
     rec["names"] = [n for n, _ in model.named_parameters()]
     rec["stats"] = state.stats()
+    if kind_is_xirang(state):  # the backend's own records: what each op really sent
+        rec["records"] = [dict(r) for r in state._backend.records()]
     torch.save(rec, os.path.join(out, f"rank{rank}.pt"))
+
+
+def kind_is_xirang(state):
+    return hasattr(state._backend, "records")
 
 
 def hash_t(t):
@@ -319,7 +326,7 @@ def sc_inf_skip(rank, ws, hooks, out, cfg):
     torch.manual_seed(0)
     model = TinyLM()
     ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb"))
-    state = hooks.register_comm_hook(ddp, layers_per_group=2)
+    state = hooks.register_comm_hook(ddp, layers_per_group=2, **cfg.get("state_kw", {}))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     plan = [0, "bad", 1, 2] if cfg["with_bad"] else [0, 1, 2]
     rec = {"outs": [], "finite": [], "took_step": []}
@@ -408,7 +415,7 @@ def _ckpt_train(rank, ws, hooks, steps, start, ckpt_in, ckpt_out, cfg):
     torch.manual_seed(0)
     model = TinyLM()
     ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb"))
-    state = hooks.register_comm_hook(ddp, layers_per_group=2)
+    state = hooks.register_comm_hook(ddp, layers_per_group=2, **cfg.get("state_kw", {}))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     pos = 0
     if ckpt_in:

@@ -455,8 +455,22 @@ def test_ws2_standin_exact_outputs_replicas_launches():
 
 @pytest.mark.parametrize("kind", ["fake"] + REAL_KINDS)
 def test_inf_step_skipped_and_next_step_bitwise(kind):
-    a = _run("inf_skip", 2, kind=kind, with_bad=True, bucket_cap_mb=0.004)
-    b = _run("inf_skip", 2, kind=kind, with_bad=False, bucket_cap_mb=0.004)
+    _check_inf_step_skipped(kind)
+
+
+# The fp16 and int8 wire formats (issue #14): the real op only (the stand-in emulates bf16).
+WIRES = ["fp16", "int8"]
+
+
+@pytest.mark.parametrize("kind", REAL_KINDS)
+@pytest.mark.parametrize("wire", WIRES)
+def test_inf_step_skipped_and_next_step_bitwise_wire(kind, wire):
+    _check_inf_step_skipped(kind, state_kw={"wire": wire})
+
+
+def _check_inf_step_skipped(kind, **cfg):
+    a = _run("inf_skip", 2, kind=kind, with_bad=True, bucket_cap_mb=0.004, **cfg)
+    b = _run("inf_skip", 2, kind=kind, with_bad=False, bucket_cap_mb=0.004, **cfg)
     for r in range(2):
         assert a[r]["finite"] == [True, False, True, True]
         assert a[r]["took_step"][1] is False
@@ -503,13 +517,23 @@ def test_no_sync_accumulation(kind):
 
 @pytest.mark.parametrize("kind", ["fake"] + REAL_KINDS)
 def test_checkpoint_resume_bitwise(kind):
+    _check_checkpoint_resume(kind)
+
+
+@pytest.mark.parametrize("kind", REAL_KINDS)
+@pytest.mark.parametrize("wire", WIRES)
+def test_checkpoint_resume_bitwise_wire(kind, wire):
+    _check_checkpoint_resume(kind, state_kw={"wire": wire})
+
+
+def _check_checkpoint_resume(kind, **cfg):
     with tempfile.TemporaryDirectory() as d:
         full = hw.run_ranks("ckpt", 2, os.path.join(d, "full"), kind=kind, phase="full",
-                            bucket_cap_mb=0.004, timeout=240)
+                            bucket_cap_mb=0.004, timeout=240, **cfg)
         part = os.path.join(d, "part")
-        hw.run_ranks("ckpt", 2, part, kind=kind, phase="first", bucket_cap_mb=0.004, timeout=240)
+        hw.run_ranks("ckpt", 2, part, kind=kind, phase="first", bucket_cap_mb=0.004, timeout=240, **cfg)
         resumed = hw.run_ranks("ckpt", 2, part, kind=kind, phase="second", bucket_cap_mb=0.004,
-                               timeout=240)
+                               timeout=240, **cfg)
     for r in range(2):
         for n, t in full[r]["params"].items():
             assert torch.equal(t, resumed[r]["params"][n]), (r, n)
@@ -547,9 +571,10 @@ def test_large_values_stay_finite(kind, value):
 
 
 @pytest.mark.parametrize("kind", REAL_KINDS)
-def test_error_feedback_invariant_and_replicas_ws3(kind):
+@pytest.mark.parametrize("wire", ["bf16"] + WIRES)
+def test_error_feedback_invariant_and_replicas_ws3(kind, wire):
     shapes = [(64, 64), (48, 40), (100,), (33, 35)]
-    recs = _run("direct", 3, kind=kind, shapes=shapes, steps=100, lpg=2, timeout=300)
+    recs = _run("direct", 3, kind=kind, shapes=shapes, steps=100, lpg=2, timeout=300, state_kw={"wire": wire})
     names = recs[0]["names"]
     N = 3
     for k, name in enumerate(names):
@@ -569,6 +594,57 @@ def test_error_feedback_invariant_and_replicas_ws3(kind):
         for k in range(len(names)):
             assert recs[0]["steps"][t]["y_hash"][k] == recs[1]["steps"][t]["y_hash"][k] \
                 == recs[2]["steps"][t]["y_hash"][k], (t, names[k])
+
+
+@pytest.mark.parametrize("kind", REAL_KINDS)
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("value", [40000.0, 3.0e38])
+def test_large_values_stay_finite_wire(kind, wire, value):
+    """fp16's per-segment power-of-two scale keeps 40000 and 3e38 (beyond fp16's 65504) finite;
+    int8's absmax scale codes a constant segment as exactly 127 x scale."""
+    shapes = [(64, 64), (40, 50), (10,)]
+    recs = _run("direct", 2, kind=kind, shapes=shapes, steps=3, inputs="const", value=value,
+                state_kw={"wire": wire})
+    for rec in recs:
+        for s in rec["steps"]:
+            for y in s["y"]:
+                assert torch.isfinite(y).all()
+                assert ((y.double() - value).abs() <= value * 2.0 ** -10).all(), (y.min(), y.max())
+            for v in s["res"].values():
+                assert torch.isfinite(v).all()
+
+
+@pytest.mark.parametrize("kind", REAL_KINDS)
+@pytest.mark.parametrize("wire,code_bytes", [("bf16", 2), ("fp16", 2), ("int8", 1)])
+def test_wire_bytes_match_the_records(kind, wire, code_bytes):
+    """What the backend's records say each op sent (bytes_tcp) against the format's size worked
+    out here: WS=2, 64x64 fp32 matrices, each group's buffer cut into two chunks; bf16's ring
+    sends one chunk per phase; fp16 / int8 send codes + one fp32 scale per 1024 elements."""
+    recs = _run("direct", 2, kind=kind, shapes=[(64, 64), (64, 64)], steps=2, lpg=1, state_kw={"wire": wire})
+    for rec in recs:
+        groups = {g["group"]: g["numel_compressed"] for g in rec["stats"]["groups"]}
+        assert sum(groups.values()) == 2 * 4096 and all(n % 2048 == 0 for n in groups.values())
+        ops = [r for r in rec["records"] if r["group_id"] >= 0]
+        assert len(ops) == 2 * len(groups)  # one op per group and step
+        want_total = 0
+        for r in ops:
+            half = groups[r["group_id"]] // 2
+            chunk = half * code_bytes + (0 if wire == "bf16" else 4 * (half // 1024))
+            assert r["op"] == f"allreduce_{wire}_ef"
+            assert r["algorithm"] == ("ring_bf16_ef" if wire == "bf16" else f"direct_{wire}_ef")
+            assert r["bytes_tcp"] == 2 * chunk  # scatter + allgather, one chunk each at WS=2
+            want_total += 2 * chunk
+        tot = rec["stats"]["totals"]
+        assert tot["bytes_wire_per_step"] == pytest.approx(want_total / 2, rel=1e-9)  # 2 steps
+        assert tot["bytes_raw_per_step"] == 2 * 4096 * 4
+
+
+def test_wire_argument_checked():
+    with pytest.raises(ValueError, match="wire must be one of 'bf16', 'fp16', 'int8', got 'fp8'"):
+        _state(hw.TinyLM(), wire="fp8")
+    st = _state(hw.TinyLM(), wire="int8")
+    assert st.wire == "int8" and pickle.loads(pickle.dumps(st)).wire == "int8"
+    assert st.state_dict()["wire"] == "int8"
 
 
 @pytest.mark.parametrize("kind", REAL_KINDS)

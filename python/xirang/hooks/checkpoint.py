@@ -22,8 +22,10 @@ class Checkpointing:
         """This rank's residuals (fqn -> fp32 tensor, cloned) and counters; no process group.
 
         Every rank saves its own. Keys: ``version``, ``world_size``, ``ring_order``,
-        ``layers_per_group``, ``min_compress_numel``, ``error_feedback``, ``steps``,
-        ``skipped_steps``, ``residuals``.
+        ``layers_per_group``, ``min_compress_numel``, ``error_feedback``, ``wire``, ``steps``,
+        ``skipped_steps``, ``residuals``. A residual is the rounding error still owed to the
+        sum, whatever the format that made it: loading one saved under another ``wire`` keeps
+        the error-feedback invariant.
         """
         res = {k: v.detach().clone() for k, v in self.residuals.items()}
         if self._pending_residuals is not None and not res:
@@ -35,6 +37,7 @@ class Checkpointing:
             "layers_per_group": self.layers_per_group,
             "min_compress_numel": self.min_compress_numel,
             "error_feedback": self.error_feedback,
+            "wire": self.wire,
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
             "residuals": res,
@@ -106,6 +109,7 @@ class Checkpointing:
             "layers_per_group": self.layers_per_group,
             "min_compress_numel": self.min_compress_numel,
             "error_feedback": self.error_feedback,
+            "wire": self.wire,
             "measure_readiness": self.measure_readiness,
             "state_dict": self.state_dict(),
         }
@@ -115,6 +119,7 @@ class Checkpointing:
         self.layers_per_group = d["layers_per_group"]
         self.min_compress_numel = d["min_compress_numel"]
         self.error_feedback = d["error_feedback"]
+        self.wire = d.get("wire", "bf16")  # states pickled before fp16 / int8 existed
         self.measure_readiness = d["measure_readiness"]
         self._user_layers = None
         self.process_group = None

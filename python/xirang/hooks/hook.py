@@ -15,7 +15,8 @@ from .state import BF16ErrorFeedbackState
 def bf16_error_feedback_hook(
     state: BF16ErrorFeedbackState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    r"""DDP comm hook: average gradients with bf16 on the wire and complete error feedback.
+    r"""DDP comm hook: average gradients with 16- or 8-bit codes on the wire (``state.wire``: bf16
+    by default, fp16 or int8 with per-segment scales) and complete error feedback.
 
     Per call, for ``bucket`` (flat 1-D ``bucket.buffer()``, one dtype, this rank's un-averaged
     gradients):
@@ -25,10 +26,10 @@ def bf16_error_feedback_hook(
        min_compress_numel``) into one fp32 buffer ``[n_ef]``, the rest into one buffer per
        dtype.
     2. Every group whose last parameter arrived in this call is launched as one backend
-       operation, ``backend.allreduce_ef(buf, residual, staged, group_id, label=..., plain=[...])``
-       (fp32 ``[n_ef]`` each; it writes the average over ranks decoded from bf16, bitwise equal
-       on all ranks, into ``buf`` and the new residual into ``staged``, then averages each plain
-       buffer in its own dtype). Buckets belonging to one group are thereby coalesced; a bucket
+       operation, ``backend.allreduce_ef(buf, residual, staged, group_id, label=..., plain=[...],
+       wire=state.wire)`` (fp32 ``[n_ef]`` each; it writes the average over ranks decoded from the
+       wire format, bitwise equal on all ranks, into ``buf`` and the new residual into ``staged``,
+       then averages each plain buffer in its own dtype). Buckets belonging to one group are thereby coalesced; a bucket
        spanning several groups (DDP's first iteration: one big bucket) is split.
     3. The returned future completes once every group overlapping ``bucket`` is done; its
        value is ``bucket.buffer()`` with the averages written in place. The step's last
@@ -57,7 +58,8 @@ def register_comm_hook(
 ) -> BF16ErrorFeedbackState:
     """Build a :class:`BF16ErrorFeedbackState` for ``ddp_model`` and register the hook.
 
-    ``kwargs`` go to the state (``layers``, ``min_compress_numel``, ``process_group``, ...).
+    ``kwargs`` go to the state (``wire``, ``layers``, ``min_compress_numel``, ``process_group``,
+    ``error_feedback``, ...).
     Must be called before the first backward. Returns the state (keep it for ``stats()`` and
     checkpoints).
     """

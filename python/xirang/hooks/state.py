@@ -24,6 +24,10 @@ from .stats import hook_stats
 #: 4 KiB of fp32; a 32x32 matrix is the smallest compressed square.
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
 
+#: Wire formats of the compressed tensors and their bytes per element on the wire (the scales of
+#: fp16 and int8, one fp32 per 1024-element segment, counted as 4/1024 byte per element).
+WIRE_BYTES = {"bf16": 2.0, "fp16": 2.0 + 4.0 / 1024, "int8": 1.0 + 4.0 / 1024}
+
 
 def _flush_copies(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for every pair (same shapes and dtypes) in one foreach call, then
@@ -94,6 +98,22 @@ class BF16ErrorFeedbackState(Checkpointing):
         error_feedback: ``False`` never commits residuals (plain bf16 ring, for ablations).
         measure_readiness: register a post-accumulate-grad hook on every parameter to time
             true group readiness (one Python call per parameter per backward, ~1 us each).
+        wire: the compressed tensors' wire format, each with complete error feedback
+            (``ValueError`` for another value):
+
+            * ``"bf16"`` (default): the BF16 ring, 2 bytes per element, one rounding per hop,
+              each fed back.
+            * ``"fp16"``: IEEE fp16 codes with one power-of-two fp32 scale per 1024 elements
+              (so large gradients cannot overflow fp16, horovod#1699, and small ones keep 11
+              bits): ~2 bytes per element.
+            * ``"int8"``: int8 codes with one fp32 scale (absmax / 127) per 1024 elements, ~0.25x
+              of fp32's bytes; an inf/NaN element is sent as NaN.
+
+            fp16 and int8 run the direct form (each rank sends every chunk straight to its
+            owner, the owner sums the N contributions in fp32 and rounds once, an allgather of
+            the rounded chunks follows): only the sender's and the owner's roundings occur,
+            both kept in the residuals. Every rank must pass the same ``wire``. On CUDA tensors
+            only ``"bf16"`` runs today.
 
     Memory: per compressed element 12 bytes on top of the gradient (residual 4, staging 4,
     packed buffer 4, all fp32); per plain element one packed copy in its dtype. Residuals are
@@ -119,6 +139,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         process_group: Optional[dist.ProcessGroup] = None,
         error_feedback: bool = True,
         measure_readiness: bool = True,
+        wire: str = "bf16",
     ):
         if layers_per_group is not None:
             if isinstance(layers_per_group, bool) or not isinstance(layers_per_group, int):
@@ -126,10 +147,13 @@ class BF16ErrorFeedbackState(Checkpointing):
                                 f"{type(layers_per_group).__name__} {layers_per_group!r}")
             if layers_per_group < 1:
                 raise ValueError(f"layers_per_group must be a positive int or None, got {layers_per_group!r}")
+        if wire not in WIRE_BYTES:
+            raise ValueError(f"wire must be one of {', '.join(map(repr, WIRE_BYTES))}, got {wire!r}")
         if not isinstance(min_compress_numel, int) or min_compress_numel < 1:
             raise ValueError(f"min_compress_numel must be an int >= 1, got {min_compress_numel!r}")
         self.layers_per_group = layers_per_group
         self.min_compress_numel = min_compress_numel
+        self.wire = wire
         self.error_feedback = bool(error_feedback)
         self.measure_readiness = bool(measure_readiness)
         self._user_layers = list(layers) if layers is not None else None
@@ -333,7 +357,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             # plain average of the group's other tensors in their own dtype.
             plain = [g.plain_bufs[dt] for dt in sorted(g.plain_bufs, key=str)]
             ef = (g.ef_buf, g.residual, g.staged) if g.ef_numel else tuple(torch.empty(0) for _ in range(3))
-            work = self._backend.allreduce_ef(*ef, g.index, label=", ".join(g.layer_names), plain=plain)
+            work = self._backend.allreduce_ef(*ef, g.index, label=", ".join(g.layer_names), plain=plain,
+                                              wire=self.wire)
             fut = work.get_future()
         except BaseException as e:
             gs.done.set_exception(e)
@@ -405,7 +430,8 @@ class BF16ErrorFeedbackState(Checkpointing):
         which also averages the group's plain tensors), ``launches_total``, ``collectives_per_step``
         (backend operations: one per launch),
         ``bytes_raw_per_step`` (what fp32/own-dtype ring allreduce would send: itemsize x numel
-        x 2(N-1)/N), ``bytes_wire_per_step`` (compressed: 2 bytes per element x 2(N-1)/N),
+        x 2(N-1)/N), ``bytes_wire_per_step`` (compressed: :data:`WIRE_BYTES` of ``wire`` per
+        element x 2(N-1)/N),
         ``launch_delay_s`` (hook call that completed the group -> launch; ~0 by construction),
         ``launch_delay_from_grad_ready_s`` (last gradient of the group accumulated -> launch;
         the real delay behind readiness, bounded by the time to fill the rest of its bucket),
@@ -415,7 +441,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         step's last group done, an estimate of how long DDP waits on communication.
         """
         return hook_stats(self._groups, self.world_size or 1, self._exposed_s, self._sum_exposed_s, self.steps,
-                          self.skipped_steps)
+                          self.skipped_steps, WIRE_BYTES[self.wire])
 
 
 class _ReadyMark:

@@ -11,13 +11,13 @@ _SUMMED = ("bytes_raw_per_step", "bytes_wire_per_step", "launches_per_step", "co
            "residual_bytes")
 
 
-def group_record(g: Group, ring: float) -> Dict[str, Any]:
+def group_record(g: Group, ring: float, wire_bytes: float = 2.0) -> Dict[str, Any]:
     """One group's figures; ``ring`` = 2(N-1)/N, the share of a buffer a rank sends in a ring
-    allreduce. The bytes are the TCP ring's, computed: a group whose ranks share one host and
+    allreduce; ``wire_bytes`` the compressed format's bytes per element. The bytes are the TCP ring's, computed: a group whose ranks share one host and
     run over shared memory (XIRANG_TRANSPORT_LOCAL) moves fp32 instead; what each operation
     really moved, and by which transport, is in its record (``bytes_tcp``, ``bytes_shm``)."""
     raw = 4 * g.ef_numel * ring
-    wire = 2 * g.ef_numel * ring
+    wire = wire_bytes * g.ef_numel * ring
     for dt, k in g.plain_numel.items():
         item = torch.empty((), dtype=dt).element_size()
         raw += item * k * ring
@@ -48,11 +48,11 @@ def group_record(g: Group, ring: float) -> Dict[str, Any]:
 
 
 def hook_stats(groups: List[Group], world_size: int, exposed_s: float, sum_exposed_s: float, steps: int,
-               skipped_steps: int) -> Dict[str, Any]:
+               skipped_steps: int, wire_bytes: float = 2.0) -> Dict[str, Any]:
     """``{"groups": [group_record...], "totals": {...}}``: see ``BF16ErrorFeedbackState.stats``."""
     n = world_size or 1
     ring = 2.0 * (n - 1) / n
-    recs = [group_record(g, ring) for g in groups]
+    recs = [group_record(g, ring, wire_bytes) for g in groups]
     tot: Dict[str, Any] = {k: sum(r[k] for r in recs) for k in _SUMMED}
     tot["bytes_raw_per_step"] = float(tot["bytes_raw_per_step"])
     tot["bytes_wire_per_step"] = float(tot["bytes_wire_per_step"])
