@@ -244,17 +244,20 @@ def worker() -> int:
         g = torch.Generator().manual_seed(rank)
         data = torch.randn(cfg["batch"], cfg["width"], generator=g)
         nparams = sum(p.numel() for p in make_model().parameters())
-        ddp_methods = ["compute"] + list(METHODS) + ["gloo+fp16"]
+        # xirang+fp16 / +int8: the hook's scaled wire formats (direct form) on the topo-ring group.
+        ddp_methods = ["compute"] + list(METHODS) + ["gloo+fp16", "xirang+fp16", "xirang+int8"]
         models = {}
         for m in ddp_methods:
             net = make_model()
             if m == "compute":
                 models[m] = (net, torch.optim.SGD(net.parameters(), lr=1e-3))
                 continue
-            pg = groups["gloo" if m.startswith("gloo") else m]
+            pg = groups["gloo" if m.startswith("gloo") else ("topo-ring" if m.startswith("xirang+") else m)]
             d = DDP(net, process_group=pg, bucket_cap_mb=cfg["bucket_mb"])
             if m == "gloo+fp16":
                 d.register_comm_hook(pg, default_hooks.fp16_compress_hook)
+            elif m.startswith("xirang+"):
+                xirang.register_comm_hook(d, wire=m.split("+")[1])
             elif m != "gloo":
                 xirang.register_comm_hook(d)
             models[m] = (d, torch.optim.SGD(d.parameters(), lr=1e-3))
@@ -277,10 +280,11 @@ def worker() -> int:
                 step(m)
                 times[m].append(slowest(time.perf_counter() - t0))
         cross = {}
-        for m in METHODS[:3]:  # one more step per xirang method: the records it appends
-            n0 = len(xirang.stats(groups[m]))
+        for m in list(METHODS[:3]) + ["xirang+fp16", "xirang+int8"]:  # one more step per xirang method: its records
+            pg = groups["topo-ring" if m.startswith("xirang+") else m]
+            n0 = len(xirang.stats(pg))
             step(m)
-            new = xirang.stats(groups[m])[n0:]
+            new = xirang.stats(pg)[n0:]
             cross[m] = total(sum(r["bytes_cross_rack"] for r in new))
         rows.append({"kind": "ddp", "params": nparams, "times": times, "cross_rack": cross})
         if rank == 0:
@@ -418,6 +422,11 @@ def report(res, a, setup, ws, hosts, elapsed, load0, load1) -> None:
                      f"{a.batch}, bucket {a.bucket_mb} MB; xirang methods with xirang.register_comm_hook (BF16 wire); "
                      f"gloo fp32 default hook {med['gloo'] * 1e3:.0f} ms, gloo+fp16_compress_hook "
                      f"{med['gloo+fp16'] * 1e3:.0f} ms; compute only (no DDP) {med['compute'] * 1e3:.0f} ms")
+        if "xirang+int8" in med:
+            lines.append("# the hook's other wire formats on the topo-ring group (direct form, error feedback): "
+                         + ", ".join(f"{w} {med['xirang+' + w] * 1e3:.0f} ms ({med['xirang+' + w] / med['gloo']:.2f}x "
+                                     f"gloo fp32, xrack {r['cross_rack'].get('xirang+' + w, 0) / 1e6:.1f} MB)"
+                                     for w in ("fp16", "int8")))
     reps = {r["size"]: r["reps"] for r in res["rows"] if r["kind"] == "allreduce"}
     lines.append("# median of repetitions (" + ", ".join(f"{fmt_size(s)}: {n}" for s, n in reps.items())
                  + f"; DDP: {a.ddp_steps} steps) of the slowest rank's time; xrack MB = bytes_cross_rack "

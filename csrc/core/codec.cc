@@ -476,30 +476,202 @@ Wire wireFromName(const std::string& name) {
 namespace {
 uint64_t codeBytes(Wire w) { return w == Wire::INT8 ? 1 : 2; }
 uint64_t segments(int64_t n) { return static_cast<uint64_t>((n + kWireSegment - 1) / kWireSegment); }
+
+// One segment of a scaled block, n <= kWireSegment elements; `codes` points at the segment's
+// first code, `sc` is its scale. The scalar forms are elements.h's functions element by element;
+// the AVX2 forms compute the same bits 8 lanes at a time (the same IEEE operations in the same
+// order: a multiply, then an add; the division of int8's s / scale; c10's fp16 conversions as
+// integer and fp32 lane operations), their tails the scalar forms.
+
+// The segment's largest finite |x*scale + r_in| (0 if none).
+float segAmaxScalar(const float* x, float scale, const float* r_in, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = el::floatOf(el::bitsOf(el::add(el::mul(x[i], scale), r_in[i])) & 0x7FFFFFFFu);
+    if (!el::isNan(a) && !el::isInf(a) && a > amax) amax = a;
+  }
+  return amax;
+}
+
+// codes and r_out of s = x*scale + r_in (r_in read before r_out is written, element by element).
+void segEncodeScalar(Wire w, const float* x, float scale, const float* r_in, float* r_out, uint8_t* codes, float sc,
+                     int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = el::add(el::mul(x[i], scale), r_in[i]);
+    float v;
+    if (w == Wire::INT8) {
+      const int8_t c = el::int8Code(s, sc);
+      reinterpret_cast<int8_t*>(codes)[i] = c;
+      v = el::int8Value(c, sc);
+    } else {
+      const uint16_t c = el::fp16Code(s, sc);
+      std::memcpy(codes + 2 * i, &c, 2);
+      v = el::fp16Value(c, sc);
+    }
+    r_out[i] = el::scaledResidual(s, v, r_in[i]);
+  }
+}
+
+// out[i] = value i (accumulate: out[i] = out[i] + value i).
+void segDecodeScalar(Wire w, const uint8_t* codes, float sc, float* out, bool accumulate, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v;
+    if (w == Wire::INT8) {
+      v = el::int8Value(reinterpret_cast<const int8_t*>(codes)[i], sc);
+    } else {
+      uint16_t c;
+      std::memcpy(&c, codes + 2 * i, 2);
+      v = el::fp16Value(c, sc);
+    }
+    out[i] = accumulate ? el::add(out[i], v) : v;
+  }
+}
+
+#if defined(__x86_64__)
+// s = x*scale + r_in on 8 lanes (the product through the barrier: never an FMA).
+XR_AVX2 inline __m256 sumOf8(const float* x, __m256 scale, const float* r_in) {
+  return _mm256_add_ps(opaque8(_mm256_mul_ps(_mm256_loadu_ps(x), scale)), _mm256_loadu_ps(r_in));
+}
+XR_AVX2 inline __m256i absBits8(__m256 v) {
+  return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
+}
+// Lanes whose |bits| are below inf's (finite values).
+XR_AVX2 inline __m256i finite8(__m256 v) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), absBits8(v)); }
+
+// elements.h: floatToHalf (c10's fp16_ieee_from_fp32_value) on 8 lanes -> 8 uint16 in 32-bit lanes.
+XR_AVX2 inline __m256i toHalf8(__m256 f) {
+  const __m256i w = _mm256_castps_si256(f);
+  __m256 base = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(0x7FFFFFFF))),
+                                            _mm256_set1_ps(0x1.0p+112f)),
+                              _mm256_set1_ps(0x1.0p-110f));
+  const __m256i shl1 = _mm256_add_epi32(w, w);
+  const __m256i sign = _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i bias = _mm256_max_epu32(_mm256_and_si256(shl1, _mm256_set1_epi32(static_cast<int>(0xFF000000u))),
+                                        _mm256_set1_epi32(0x71000000));
+  base = _mm256_add_ps(
+      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_srli_epi32(bias, 1), _mm256_set1_epi32(0x07800000))), base);
+  const __m256i bits = _mm256_castps_si256(base);
+  const __m256i nonsign = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 13), _mm256_set1_epi32(0x7C00)),
+                                           _mm256_and_si256(bits, _mm256_set1_epi32(0x0FFF)));
+  // shl1 > 0xFF000000 (unsigned): a NaN.
+  const __m256i nan = _mm256_xor_si256(
+      _mm256_cmpeq_epi32(_mm256_max_epu32(shl1, _mm256_set1_epi32(static_cast<int>(0xFF000000u))),
+                         _mm256_set1_epi32(static_cast<int>(0xFF000000u))),
+      _mm256_set1_epi32(-1));
+  return _mm256_or_si256(_mm256_srli_epi32(sign, 16), _mm256_blendv_epi8(nonsign, _mm256_set1_epi32(0x7E00), nan));
+}
+
+// elements.h: halfToFloat (c10's fp16_ieee_to_fp32_value) of 8 uint16 in 32-bit lanes.
+XR_AVX2 inline __m256 fromHalf8(__m256i h) {
+  const __m256i w = _mm256_slli_epi32(h, 16);
+  const __m256i sign = _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i two_w = _mm256_add_epi32(w, w);
+  const __m256 normalized =
+      _mm256_mul_ps(_mm256_castsi256_ps(_mm256_add_epi32(_mm256_srli_epi32(two_w, 4), _mm256_set1_epi32(0xE0 << 23))),
+                    _mm256_set1_ps(0x1.0p-112f));
+  const __m256 denormalized = _mm256_sub_ps(
+      _mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(two_w, 17), _mm256_set1_epi32(126 << 23))),
+      _mm256_set1_ps(0.5f));
+  // two_w < 2^27 (unsigned): a zero or subnormal half.
+  const __m256i small = _mm256_cmpeq_epi32(_mm256_min_epu32(two_w, _mm256_set1_epi32((1 << 27) - 1)), two_w);
+  return _mm256_castsi256_ps(_mm256_or_si256(
+      sign, _mm256_blendv_epi8(_mm256_castps_si256(normalized), _mm256_castps_si256(denormalized), small)));
+}
+
+// int8 value of 8 codes in 32-bit lanes: code x sc, NaN for -128.
+XR_AVX2 inline __m256 int8Value8(__m256i c, __m256 sc) {
+  const __m256 v = opaque8(_mm256_mul_ps(_mm256_cvtepi32_ps(c), sc));
+  const __m256i flag = _mm256_cmpeq_epi32(c, _mm256_set1_epi32(el::kInt8NonFinite));
+  return _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_castsi256_ps(flag));
+}
+
+XR_AVX2 float segAmaxAVX2(const float* x, float scale, const float* r_in, int64_t n) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256i m = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 s = sumOf8(x + i, vs, r_in + i);
+    m = _mm256_max_epi32(m, _mm256_and_si256(absBits8(s), finite8(s)));  // finite |s| bits order as the values
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m);
+  float amax = segAmaxScalar(x + i, scale, r_in + i, n - i);
+  for (int32_t b : lanes) amax = std::max(amax, el::floatOf(static_cast<uint32_t>(b)));
+  return amax;
+}
+
+XR_AVX2 void segEncodeAVX2(Wire w, const float* x, float scale, const float* r_in, float* r_out, uint8_t* codes,
+                           float sc, int64_t n) {
+  const __m256 vs = _mm256_set1_ps(scale), vsc = _mm256_set1_ps(sc);
+  const bool zero = !(sc > 0.0f);  // int8: every finite code 0
+  const uint32_t e = (el::bitsOf(sc) >> 23) & 0xFFu;
+  const __m256 inv = _mm256_set1_ps(el::floatOf((254u - e) << 23));  // fp16: 1 / scale
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 rin = _mm256_loadu_ps(r_in + i);
+    const __m256 s = sumOf8(x + i, vs, r_in + i);
+    const __m256i fin = finite8(s);
+    __m256 v;
+    if (w == Wire::INT8) {
+      __m256 q = zero ? _mm256_setzero_ps()
+                      : _mm256_sub_ps(_mm256_add_ps(_mm256_div_ps(s, vsc), _mm256_set1_ps(12582912.0f)),
+                                      _mm256_set1_ps(12582912.0f));
+      q = _mm256_max_ps(_mm256_min_ps(q, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-127.0f));
+      const __m256i c = _mm256_blendv_epi8(_mm256_set1_epi32(el::kInt8NonFinite), _mm256_cvttps_epi32(q), fin);
+      const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(p16, p16));
+      v = int8Value8(c, vsc);
+    } else {
+      const __m256i c = toHalf8(opaque8(_mm256_mul_ps(s, inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 2 * i), pack8(c));
+      v = opaque8(_mm256_mul_ps(fromHalf8(c), vsc));
+    }
+    // elements.h: scaledResidual: an infinite value of a finite s keeps r_in.
+    const __m256i vinf = _mm256_cmpeq_epi32(absBits8(v), _mm256_set1_epi32(0x7F800000));
+    _mm256_storeu_ps(r_out + i, _mm256_blendv_ps(_mm256_sub_ps(s, v), rin,
+                                                 _mm256_castsi256_ps(_mm256_and_si256(vinf, fin))));
+  }
+  segEncodeScalar(w, x + i, scale, r_in + i, r_out + i, codes + codeBytes(w) * static_cast<uint64_t>(i), sc, n - i);
+}
+
+XR_AVX2 void segDecodeAVX2(Wire w, const uint8_t* codes, float sc, float* out, bool accumulate, int64_t n) {
+  const __m256 vsc = _mm256_set1_ps(sc);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v;
+    if (w == Wire::INT8) {
+      v = int8Value8(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i))), vsc);
+    } else {
+      v = opaque8(_mm256_mul_ps(
+          fromHalf8(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * i)))), vsc));
+    }
+    _mm256_storeu_ps(out + i, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out + i), v) : v);
+  }
+  segDecodeScalar(w, codes + codeBytes(w) * static_cast<uint64_t>(i), sc, out + i, accumulate, n - i);
+}
+#endif
+
+// The active path's segment functions (AVX-512 BF16 CPUs run the AVX2 forms: the scaled formats
+// have no AVX-512 code).
+#if defined(__x86_64__)
+#define XR_SEG(fn) fn##AVX2, fn##AVX2, fn##Scalar
+#else
+#define XR_SEG(fn) fn##Scalar, fn##Scalar, fn##Scalar
+#endif
+
 float scaleAt(const uint8_t* scales, uint64_t k) {
   float v;
   std::memcpy(&v, scales + 4 * k, 4);
   return v;
 }
 
-// f(i, value) for every element of a scaled block, in order.
+// f(first element, count, scale, codes) for every segment of a scaled block of n elements.
 template <class F>
-void forEachValue(Wire w, const uint8_t* block, int64_t n, F&& f) {
+void forEachSegment(Wire w, const uint8_t* block, int64_t n, F&& f) {
   const uint8_t* scales = block + codeBytes(w) * static_cast<uint64_t>(n);
-  for (int64_t s0 = 0, k = 0; s0 < n; s0 += kWireSegment, ++k) {
-    const float sc = scaleAt(scales, static_cast<uint64_t>(k));
-    const int64_t end = std::min(n, s0 + kWireSegment);
-    if (w == Wire::INT8) {
-      const auto* c = reinterpret_cast<const int8_t*>(block);
-      for (int64_t i = s0; i < end; ++i) f(i, el::int8Value(c[i], sc));
-    } else {
-      for (int64_t i = s0; i < end; ++i) {
-        uint16_t c;
-        std::memcpy(&c, block + 2 * i, 2);
-        f(i, el::fp16Value(c, sc));
-      }
-    }
-  }
+  for (int64_t s0 = 0, k = 0; s0 < n; s0 += kWireSegment, ++k)
+    f(s0, std::min(kWireSegment, n - s0), scaleAt(scales, static_cast<uint64_t>(k)),
+      block + codeBytes(w) * static_cast<uint64_t>(s0));
 }
 }  // namespace
 
@@ -515,46 +687,34 @@ void encodeBlockEF(Wire w, const float* x, float scale, const float* r_in, float
     encodeEF(x, scale, r_in, r_out, reinterpret_cast<uint16_t*>(block), n);
     return;
   }
+  const auto amaxOf = pick(XR_SEG(segAmax));
+  const auto encode = pick(XR_SEG(segEncode));
   uint8_t* scales = block + codeBytes(w) * static_cast<uint64_t>(n);
   for (int64_t s0 = 0, k = 0; s0 < n; s0 += kWireSegment, ++k) {
-    const int64_t end = std::min(n, s0 + kWireSegment);
-    // Pass 1: the segment's largest finite |s|. Pass 2 recomputes s (r_in is read before r_out
-    // is written, element by element, so the two may alias).
-    float amax = 0.0f;
-    for (int64_t i = s0; i < end; ++i) {
-      const float s = el::add(el::mul(x[i], scale), r_in[i]);
-      const float a = el::floatOf(el::bitsOf(s) & 0x7FFFFFFFu);
-      if (!el::isNan(a) && !el::isInf(a) && a > amax) amax = a;
-    }
+    const int64_t m = std::min(kWireSegment, n - s0);
+    // Pass 1: the segment's scale; pass 2 recomputes s (r_in is read before r_out is written,
+    // element by element, so the two may alias).
+    const float amax = amaxOf(x + s0, scale, r_in + s0, m);
     const float sc = w == Wire::INT8 ? el::int8Scale(amax) : el::fp16Scale(amax);
     std::memcpy(scales + 4 * k, &sc, 4);
-    for (int64_t i = s0; i < end; ++i) {
-      const float s = el::add(el::mul(x[i], scale), r_in[i]);
-      float v;
-      if (w == Wire::INT8) {
-        const int8_t c = el::int8Code(s, sc);
-        reinterpret_cast<int8_t*>(block)[i] = c;
-        v = el::int8Value(c, sc);
-      } else {
-        const uint16_t c = el::fp16Code(s, sc);
-        std::memcpy(block + 2 * i, &c, 2);
-        v = el::fp16Value(c, sc);
-      }
-      r_out[i] = el::scaledResidual(s, v, r_in[i]);
-    }
+    encode(w, x + s0, scale, r_in + s0, r_out + s0, block + codeBytes(w) * static_cast<uint64_t>(s0), sc, m);
   }
 }
 
 void decodeBlock(Wire w, const uint8_t* block, float* out, int64_t n) {
   checkN(n, "decodeBlock");
   if (w == Wire::BF16) return decode(reinterpret_cast<const uint16_t*>(block), out, n);
-  forEachValue(w, block, n, [out](int64_t i, float v) { out[i] = v; });
+  const auto dec = pick(XR_SEG(segDecode));
+  forEachSegment(w, block, n, [&](int64_t s0, int64_t m, float sc, const uint8_t* c) { dec(w, c, sc, out + s0, false, m); });
 }
 
 void decodeAccumulateBlock(Wire w, const uint8_t* block, float* acc, int64_t n) {
   checkN(n, "decodeAccumulateBlock");
   if (w == Wire::BF16) return decodeAccumulate(reinterpret_cast<const uint16_t*>(block), acc, n);
-  forEachValue(w, block, n, [acc](int64_t i, float v) { acc[i] = el::add(acc[i], v); });
+  const auto dec = pick(XR_SEG(segDecode));
+  forEachSegment(w, block, n, [&](int64_t s0, int64_t m, float sc, const uint8_t* c) { dec(w, c, sc, acc + s0, true, m); });
 }
+
+#undef XR_SEG
 
 }  // namespace xirang::codec
