@@ -1,5 +1,6 @@
-// Microbenchmark of the BF16 codec paths (not built by CMake). Build and run by hand:
-//   g++ -std=c++20 -O2 -ffp-contract=off -Icsrc benchmarks/codec_bench.cc csrc/core/codec.cc \
+// Microbenchmark of the codec paths: BF16, then the fp16 / int8 wire formats' blocks (not built by
+// CMake). Build and run by hand:
+//   g++ -std=c++20 -O2 -ffp-contract=off -Icsrc benchmarks/codec_bench.cc csrc/core/codec.cc csrc/core/env.cc \
 //       -o /tmp/codec_bench && /tmp/codec_bench [n_elements] [reps]
 // Reports GB/s of bytes read + written (best of reps), per path and function.
 #include <algorithm>
@@ -70,6 +71,22 @@ int main(int argc, char** argv) {
     std::printf("%-11s %10.2f GB/s %7.2f GB/s %7.2f GB/s %7.2f GB/s %7.2f GB/s %7.2f GB/s\n",
                 cd::pathName(p), 16 * gb / tAcc, 16 * gb / tAccIp, 14 * gb / tEF, 6 * gb / tEnc,
                 6 * gb / tDec, 10 * gb / tDA);
+  }
+  // The scaled wire formats (codec.h: encodeBlockEF etc.), ns per element: the direct form's
+  // sender encode (x, r_in read; codes, scales, r_out written), the owner's decode-accumulate.
+  std::printf("\n%-11s %-6s %14s %14s %14s\n", "path", "wire", "encBlockEF", "decodeBlock", "decAccBlock");
+  for (cd::Path p : {cd::Path::Scalar, cd::Path::AVX2, cd::Path::AVX512BF16}) {
+    if (!cd::pathAvailable(p)) continue;
+    cd::setPathForTesting(p);
+    for (cd::Wire w : {cd::Wire::BF16, cd::Wire::FP16, cd::Wire::INT8}) {
+      std::vector<uint8_t> block(cd::blockBytes(w, n));
+      const double tE = bestSeconds(reps, [&] { cd::encodeBlockEF(w, x.data(), 0.125f, r.data(), r2.data(), block.data(), n); });
+      const double tD = bestSeconds(reps, [&] { cd::decodeBlock(w, block.data(), dec.data(), n); });
+      const double tA = bestSeconds(reps, [&] { cd::decodeAccumulateBlock(w, block.data(), dec.data(), n); });
+      const double ns = 1e9 / static_cast<double>(n);
+      std::printf("%-11s %-6s %9.2f ns/el %9.2f ns/el %9.2f ns/el\n", cd::pathName(p), cd::wireName(w), tE * ns,
+                  tD * ns, tA * ns);
+    }
   }
   return 0;
 }
