@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -161,6 +162,29 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
 // NaN element as -128, decoded as NaN; the other elements stay finite.
 void allreduceEFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n,
                        codec::Wire w);
+
+// The host level of a two-level operation: a fp32 SUM reduce-scatter and an allgather over the
+// ranks of one host (`local`: twoLevelSplit's local comm), by the link (the engine's) or by shared
+// memory (algorithms/shm.h).
+struct HostLevel {
+  std::function<void(const Comm& local, const OpCtx& ctx, const std::vector<transport::RecvSeg>& blocks)>
+      reduce_scatter_sum, allgather;
+};
+// The link's host level.
+const HostLevel& linkHostLevel();
+
+// The error-feedback allreduce in two levels, for comm's two-level plan (comm.local_group and
+// comm.cross_group, as twoLevelAllreduce): every rank folds its residual in, v = x/N + r_in (the
+// encoders' s, fp32); the ranks of a host sum v exactly in fp32 by the host's reduce-scatter (no
+// rounding to feed back: bytes inside a host are cheap); the ranks holding the same shard on the
+// other hosts sum their shards with the direct form in wire format w (allreduceEFDirect without the
+// 1/N: the sender's and the owner's roundings of this rank's shard are its new residual); the
+// host's allgather copies the shards. r_out holds those roundings on this rank's shard and 0
+// elsewhere (r_in was folded into v), so y + sum_i r_out_i = sum_i v_i: the invariant of
+// allreduceBF16EF, with only the cross-host bytes coded. Bytes across hosts per rank: 2(H-1)/H x
+// blockBytes(w, shard). Results bitwise equal on all ranks. r_out may alias r_in.
+void allreduceEFTwoLevel(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n,
+                         codec::Wire w, const HostLevel& host);
 
 // Broadcast `bytes` at `data` from group rank `root` along the ring (pipelined chain of segments).
 void broadcast(const Comm& comm, const OpCtx& ctx, void* data, uint64_t bytes, int root);

@@ -34,6 +34,7 @@
 #include "core/codec.h"
 #include "core/planner.h"
 #include "core/reduce.h"
+#include "core/ring.h"
 #include "core/transport/shm.h"
 #include "support.h"
 
@@ -775,6 +776,98 @@ TEST_CASE("shm: collectivesFor chooses the transport: shared memory for a ring i
   if (offReference(DType::Float32, ReduceOp::Sum, ar_in, ar[0], numel) != 0) failures.push_back("allreduce off the fp64 reference");
   for (size_t k = 0; k < std::min<size_t>(failures.size(), 20); ++k) UNSCOPED_INFO(failures[k]);
   CHECK(failures.empty());
+}
+
+TEST_CASE("shm: the error-feedback op of a multi-host group is two-level: fp32 inside hosts (link or shared "
+          "memory, the same bits), the wire format across them; invariant, replicas, bytes", "[shm][wire]") {
+  const auto w = GENERATE(xirang::codec::Wire::BF16, xirang::codec::Wire::FP16, xirang::codec::Wire::INT8);
+  const int hosts = 2, per = 2, n = hosts * per;
+  CAPTURE(xirang::codec::wireName(w));
+  TwoHosts th(hosts, per);
+  constexpr int T = 10;
+  const int64_t numel = 300007;  // above the small-message size: the two-level plan
+  // [path][rank]: outputs summed over the steps (fp64), last residual, phases of the last step;
+  // path 0 runs the host level over the link, path 1 over shared memory.
+  std::vector<std::vector<std::vector<double>>> ysum(2, std::vector<std::vector<double>>(n));
+  std::vector<std::vector<std::vector<float>>> res(2, std::vector<std::vector<float>>(n)), last(2, std::vector<std::vector<float>>(n));
+  std::vector<std::vector<xirang::Phases>> ph(2, std::vector<xirang::Phases>(n));
+  auto input = [](int r, int t, int64_t k) { return static_cast<float>(inputValue(r, k, 40 + t)); };
+  xirang_test::runRanks(n, [&](int r) {
+    const size_t i = static_cast<size_t>(r);
+    for (int path = 0; path < 2; ++path) {
+      Comm c = th.comm[i];
+      if (path == 1) c.shm = th.dom[i].get();
+      std::vector<float> x(static_cast<size_t>(numel)), ra(static_cast<size_t>(numel), 0.0f),
+          rb(static_cast<size_t>(numel), 1e30f);  // stale staging: must not leak into the residual
+      ysum[path][i].assign(static_cast<size_t>(numel), 0.0);
+      try {
+        for (int t = 0; t < T; ++t) {
+          for (int64_t k = 0; k < numel; ++k) x[static_cast<size_t>(k)] = input(r, t, k);
+          OpCtx ctx = ctxFor(tp::OpKind::AllreduceEF, DType::Float32, ReduceOp::Avg, static_cast<uint64_t>(numel),
+                             static_cast<uint64_t>(1 + t + path * T));
+          ph[path][i] = xirang::Phases{};
+          ctx.phases = &ph[path][i];
+          xirang::collectivesFor(c).allreduceEF(c, ctx, x.data(), ra.data(), rb.data(), numel, w);
+          std::swap(ra, rb);
+          for (int64_t k = 0; k < numel; ++k) ysum[path][i][static_cast<size_t>(k)] += x[static_cast<size_t>(k)];
+        }
+      } catch (const std::exception& e) {
+        th.dom[i]->abort(e.what());
+        th.g.hub.link(r).abort(e.what());
+        throw;
+      }
+      res[path][i] = ra;
+      last[path][i] = x;
+    }
+  });
+  const std::string algo = std::string("two_level_") + xirang::codec::wireName(w) + "_ef";
+  // This rank's shard of the host level (twoLevelSplit: ring::partition over the host's ranks).
+  const auto shards = xirang::ring::partition(numel, per);
+  for (int path = 0; path < 2; ++path) {
+    CAPTURE(path);
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(std::string(ph[path][r].algorithm) == algo);
+      CHECK(last[path][r] == last[path][0]);  // replicas bitwise equal
+      CHECK(last[path][r] == last[0][r]);     // shared memory inside hosts: the link's bits
+      CHECK(res[path][r] == res[0][r]);
+      // Across hosts: the direct form over the 2 ranks holding this shard (two chunks): the
+      // other owner's block in the scatter, this rank's own in the allgather.
+      const auto halves = xirang::ring::partition(shards[static_cast<size_t>(r % per)].count, hosts);
+      const uint64_t cross = xirang::codec::blockBytes(w, halves[0].count) + xirang::codec::blockBytes(w, halves[1].count);
+      if (path == 1) {
+        CHECK(ph[1][r].bytes_sent == cross);  // only the cross-host level is on the link
+        CHECK(ph[1][r].bytes_shm > 0);
+      } else {
+        CHECK(ph[0][r].bytes_sent > cross);  // plus the host level's fp32 bytes
+      }
+      // Outside this rank's shard the residual is 0 (r_in was folded in; the stale 1e30 staging
+      // never reaches it).
+      const auto& sh = shards[static_cast<size_t>(r % per)];
+      int64_t nonzero_outside = 0;
+      for (int64_t k = 0; k < numel; ++k)
+        if ((k < sh.offset || k >= sh.offset + sh.count) && res[path][r][static_cast<size_t>(k)] != 0.0f) ++nonzero_outside;
+      CHECK(nonzero_outside == 0);
+    }
+    // EF invariant: sum_t y_t + sum_i r_i == sum_t sum_i x_i,t / N, 1e-5 relative.
+    int64_t bad = 0;
+    double worst = 0;
+    for (int64_t k = 0; k < numel; ++k) {
+      double want = 0, mag = 0;
+      for (int t = 0; t < T; ++t)
+        for (int q = 0; q < n; ++q) {
+          want += static_cast<double>(input(q, t, k)) / n;
+          mag += std::fabs(static_cast<double>(input(q, t, k))) / n;
+        }
+      double have = ysum[path][0][static_cast<size_t>(k)];
+      for (int q = 0; q < n; ++q) have += res[path][q][static_cast<size_t>(k)];
+      const double rel = mag > 0 ? std::fabs(have - want) / mag : std::fabs(have - want);
+      worst = std::max(worst, rel);
+      bad += rel <= 1e-5 ? 0 : 1;
+    }
+    CAPTURE(worst);
+    CHECK(bad == 0);
+  }
 }
 
 TEST_CASE("shm: the error-feedback op inside a host is the fp32 allreduce of x/N + r, residual 0", "[shm]") {

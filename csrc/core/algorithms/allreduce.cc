@@ -325,8 +325,10 @@ void allreduceBF16EF(const Comm& comm, const OpCtx& ctx, float* x, const float* 
   ph.allgather_s += between(t2, t3);
 }
 
-void allreduceEFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t numel,
-                       codec::Wire w) {
+namespace {
+// allreduceEFDirect with s = x*scale + r_in at the sender (1/N: the average; 1: the sum).
+void efDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t numel,
+              codec::Wire w, float scale) {
   static const char* const kNames[] = {"direct_bf16_ef", "direct_fp16_ef", "direct_int8_ef"};
   EFRun run(comm, ctx, 0, kNames[static_cast<int>(w)]);
   const int n = run.n;
@@ -343,8 +345,7 @@ void allreduceEFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float
   auto t0 = Clock::now();
   // The sender's rounding, fed back through r_out.
   forEachBlock([&](const ring::Range& c, void* b) {
-    red.encodeBlockEF(w, x + c.offset, run.scale, r_in + c.offset, r_out + c.offset, static_cast<uint8_t*>(b),
-                      c.count);
+    red.encodeBlockEF(w, x + c.offset, scale, r_in + c.offset, r_out + c.offset, static_cast<uint8_t*>(b), c.count);
   });
   ph.encode_s += since(t0);
   auto decodeAll = [&] {
@@ -378,6 +379,44 @@ void allreduceEFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float
   ph.encode_s += between(t2, t3);
   ph.scatter_reduce_s += between(t1, t2);
   ph.allgather_s += between(t3, t4);
+}
+}  // namespace
+
+void allreduceEFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t numel,
+                       codec::Wire w) {
+  efDirect(comm, ctx, x, r_in, r_out, numel, w, 1.0f / static_cast<float>(std::max(comm.size(), 1)));
+}
+
+const HostLevel& linkHostLevel() {
+  static const HostLevel link{
+      [](const Comm& local, const OpCtx& ctx, const std::vector<RecvSeg>& blocks) {
+        reduceScatter(local, ctx, blocks, DType::Float32, ReduceOp::Sum);
+      },
+      [](const Comm& local, const OpCtx& ctx, const std::vector<RecvSeg>& blocks) { allgather(local, ctx, blocks); }};
+  return link;
+}
+
+void allreduceEFTwoLevel(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n,
+                         codec::Wire w, const HostLevel& host) {
+  algo::Reducer& red = *comm.reducer;
+  // v = x/N + r_in, in place (x*scale, then + r_in: the encoders' s); r_in is consumed here, so
+  // r_out (which may alias it) can be cleared: only this rank's shard gets new roundings. r_out
+  // is cleared as 0 x r_in (a committed residual is finite), not from its own stale contents,
+  // which a skipped step may have left non-finite.
+  red.scale(x, n, DType::Float32, 1.0 / static_cast<double>(comm.size()));
+  red.reduceInto(x, r_in, n, DType::Float32, ReduceOp::Sum);
+  if (r_out != r_in) red.copy(r_out, r_in, static_cast<uint64_t>(n) * 4);
+  red.scale(r_out, n, DType::Float32, 0.0);
+  TwoLevelSplit s = twoLevelSplit(comm, x, n, DType::Float32);
+  host.reduce_scatter_sum(s.local, ctx, s.blocks);
+  float* shard = reinterpret_cast<float*>(s.shard);
+  float* r_shard = r_out + (shard - x);
+  efDirect(s.cross, ctx, shard, r_shard, r_shard, s.shard_numel, w, 1.0f);
+  host.allgather(s.local, ctx, s.blocks);
+  if (ctx.phases) {
+    static const char* const kNames[] = {"two_level_bf16_ef", "two_level_fp16_ef", "two_level_int8_ef"};
+    ctx.phases->algorithm = kNames[static_cast<int>(w)];
+  }
 }
 
 }  // namespace xirang

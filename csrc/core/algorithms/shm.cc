@@ -633,6 +633,19 @@ void allreduceEF(const Comm& comm, ShmDomain& d, const OpCtx& ctx, float* x, con
 }
 
 namespace {
+// The host level of a two-level operation over shared memory (local: a comm of one host's ranks,
+// its shm set).
+const HostLevel& hostLevel() {
+  static const HostLevel h{
+      [](const Comm& local, const OpCtx& ctx, const std::vector<RecvSeg>& blocks) {
+        reduceScatter(local, *local.shm, ctx, blocks, DType::Float32, ReduceOp::Sum);
+      },
+      [](const Comm& local, const OpCtx& ctx, const std::vector<RecvSeg>& blocks) {
+        allgather(local, *local.shm, ctx, blocks);
+      }};
+  return h;
+}
+
 // Over shared memory when comm.shm holds the whole ring, else the engine's over comm.link.
 class ShmCollectives final : public Collectives {
  public:
@@ -642,7 +655,12 @@ class ShmCollectives final : public Collectives {
   }
   void allreduceEF(const Comm& c, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n,
                    codec::Wire wire) const override {
-    if (!whole(c)) return linkCollectives().allreduceEF(c, ctx, x, r_in, r_out, n, wire);
+    if (!whole(c)) {
+      // Several hosts: the two-level plan with shared memory inside this host, where it covers it.
+      if (allreduceAlgo(c, n, DType::Float32) == Comm::Algo::TwoLevel && covers(c.local_group, *c.shm))
+        return allreduceEFTwoLevel(c, ctx, x, r_in, r_out, n, wire, hostLevel());
+      return linkCollectives().allreduceEF(c, ctx, x, r_in, r_out, n, wire);
+    }
     shm::allreduceEF(c, *c.shm, ctx, x, r_in, r_out, n);
   }
   void reduceScatter(const Comm& c, const OpCtx& ctx, const std::vector<RecvSeg>& blocks, DType wire,
