@@ -37,19 +37,20 @@ Modules: ``model`` (inputs), ``cost`` (one allreduce), ``timeline`` (one configu
 ``args`` (the command line's flags), ``paper``, ``recommend``, ``calibrate`` (the modes), ``cli``.
 """
 from .args import add_args, build, check_args, settings
-from .calibrate import calibrate, cpu_share, fit, load_measurements, loopback_cluster, predict
+from .calibrate import calibrate, cpu_share, fit, fit_per_op, load_measurements, loopback_cluster, predict
 from .cli import check_finite, main, run_mode
 from .cost import RingSet, chunk_elems, ring_elements_sent, ring_time, two_level_time
 from .model import GB, PRESETS, Cluster, Compute, Model, SettingsError
 from .paper import PUBLICATION, PUBLISHED, REPRODUCE_TOL, TOLERANCE_TEXT, paper, print_paper
 from .recommend import advice, print_recommend, recommend
 from .table import table
-from .timeline import ALL, OPTS, Config, Sim
+from .timeline import ALL, OPTS, Config, Sim, exposed_comm, serial_queue
 
 __all__ = [
     "ALL", "GB", "OPTS", "PRESETS", "PUBLICATION", "PUBLISHED", "REPRODUCE_TOL", "TOLERANCE_TEXT",
     "Cluster", "Compute", "Config", "Model", "RingSet", "SettingsError", "Sim",
-    "add_args", "advice", "build", "calibrate", "check_args", "check_finite", "chunk_elems", "cpu_share", "fit",
+    "add_args", "advice", "build", "calibrate", "check_args", "check_finite", "chunk_elems", "cpu_share",
+    "exposed_comm", "fit", "fit_per_op",
     "load_measurements", "loopback_cluster", "main", "paper", "predict", "print_paper", "print_recommend",
-    "recommend", "ring_elements_sent", "ring_time", "run_mode", "settings", "table", "two_level_time",
+    "recommend", "ring_elements_sent", "ring_time", "run_mode", "serial_queue", "settings", "table", "two_level_time",
 ]
