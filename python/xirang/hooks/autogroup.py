@@ -1,0 +1,212 @@
+"""``layers_per_group="auto"``: measure the first synced steps, predict every group size's exposed
+communication with the simulator's model, agree on one across ranks, keep it.
+
+The plan (:class:`AutoGroup`, driven by the hook's state):
+
+1. Calibration. The state starts with one layer per group. DDP's first synced step (one big
+   bucket: every gradient arrives at the end) is not measured. The next ``calibration_steps``
+   synced steps are: all but the last at one layer per group, the last at
+   ``max(2, ceil(n_layers / 4))`` layers per group, so that the operations have at least two sizes
+   even when every layer has the same size. Per step the state records, in seconds from the
+   step's first hook call: when each layer's last gradient was handed to the hook (its group can
+   launch no earlier) and when the last hook call returned (the end of backward as DDP sees it);
+   per operation its bytes (computed from the group's element counts: what the ring sends per
+   rank, as ``stats()`` counts them) and its seconds on the communication thread (the backend's
+   record, ``total_s``, found by the operation's sequence number; without records, the Python-side
+   service time: completion minus the later of launch and the previous completion).
+2. Fit. ``T = alpha + beta B`` per operation, least squares over every calibration operation
+   (:func:`xirang.sim.fit_per_op`; alpha s per operation, beta s per byte, both >= 0).
+3. Prediction, for every candidate ``g`` in 1..n_layers (:func:`predict_exposed`): layers are
+   handed at their median measured times, a group is ready at the latest of its layers', its
+   operation costs ``alpha + beta x bytes``, operations run one at a time in launch order
+   (:func:`xirang.sim.timeline.exposed_comm`, the simulator's timeline); exposed = end of the last
+   operation - end of backward (the median measured one), never below 0.
+4. Choice (:func:`choose`): the smallest prediction; predictions within ``max(TIE_REL x best,
+   TIE_ABS_S)`` of it count as ties and the largest such ``g`` wins (fewer launches, less
+   CPU). Group rank 0 decides and broadcasts ``(g, predicted exposed s)`` over the process group
+   at the first hook call of the next synced step, where every rank is (same step count);
+   everyone regroups to ``g`` before packing that step and keeps it. The choice and every
+   candidate's prediction are logged at INFO on logger ``"xirang"``; ``stats()["autogroup"]``
+   reports them with the measured exposed communication since.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+log = logging.getLogger("xirang")
+
+#: Synced steps measured after DDP's first one (default of ``calibration_steps``).
+CALIBRATION_STEPS = 3
+#: Predictions within max(TIE_REL x best, TIE_ABS_S) seconds of the best are ties (largest g wins).
+TIE_REL = 0.02
+TIE_ABS_S = 20e-6
+
+
+def calibration_group_size(n_layers: int) -> int:
+    """Layers per group of the last calibration step: ``max(2, ceil(n_layers / 4))``."""
+    return max(2, math.ceil(n_layers / 4))
+
+
+def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_end_s: float,
+                    alpha: float, beta: float, g: int,
+                    extra: Optional[Tuple[float, float]] = None) -> float:
+    """Predicted exposed communication (s) of one step at ``g`` layers per group.
+
+    ``ready_s[l]``: seconds at which layer ``l`` (forward order) can launch; ``layer_bytes[l]``:
+    bytes its operation sends; ``extra``: ``(ready_s, bytes)`` of the group of parameters in no
+    layer, always its own group. Groups are runs of ``g`` consecutive layers, ready at the latest
+    of their layers, costing ``alpha + beta x bytes`` (s); launched in order of readiness, run one
+    at a time (:func:`xirang.sim.timeline.exposed_comm`); exposed past ``bwd_end_s``.
+    """
+    from xirang.sim.timeline import exposed_comm  # noqa: PLC0415  (lazy: hooks load without sim)
+
+    units = []
+    n = len(ready_s)
+    for start in range(0, n, g):
+        units.append((max(ready_s[start:start + g]), alpha + beta * sum(layer_bytes[start:start + g])))
+    if extra is not None:
+        units.append((extra[0], alpha + beta * extra[1]))
+    units.sort(key=lambda u: u[0])  # launch order: readiness (stable for equal times)
+    return exposed_comm(units, bwd_end_s)[0]
+
+
+def choose(predictions: Dict[int, float]) -> int:
+    """The ``g`` of the smallest prediction; within ``max(TIE_REL x best, TIE_ABS_S)`` of it, the
+    largest ``g``."""
+    best = min(predictions.values())
+    tol = max(TIE_REL * best, TIE_ABS_S)
+    return max(g for g, p in predictions.items() if p <= best + tol)
+
+
+class StepSample:
+    """One calibration step: per-layer hand times and end of backward (s from the step's first
+    hook call), the operations' ``(bytes, seconds)`` and the measured exposed communication (s)."""
+
+    __slots__ = ("layer_t", "extra_t", "bwd_end_s", "ops", "exposed_s")
+
+    def __init__(self, layer_t: List[Optional[float]], extra_t: Optional[float], bwd_end_s: float,
+                 ops: List[Tuple[float, float]], exposed_s: float):
+        self.layer_t = layer_t
+        self.extra_t = extra_t
+        self.bwd_end_s = bwd_end_s
+        self.ops = ops
+        self.exposed_s = exposed_s
+
+
+class AutoGroup:
+    """Calibration, choice and its record for one hook state (see the module's docstring).
+
+    Attributes after the choice: ``chosen`` (layers per group), ``predicted_exposed_s`` (rank 0's
+    prediction for it, s), ``predictions`` (g -> predicted exposed s, this rank's), ``alpha_s``
+    (s per operation), ``beta_s_per_byte``, ``source`` ("records" or "python": where the
+    operations' seconds came from), ``restored`` (taken from a checkpoint, not measured).
+    """
+
+    def __init__(self, calibration_steps: int = CALIBRATION_STEPS):
+        if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) or calibration_steps < 2:
+            raise ValueError(f"calibration_steps must be an int >= 2, got {calibration_steps!r}")
+        self.calibration_steps = calibration_steps
+        self.seen_steps = 0  # synced steps committed in this process while calibrating
+        self.samples: List[StepSample] = []
+        self.pending: Optional[Dict[str, Any]] = None  # the last step, until its records are read
+        self.chosen: Optional[int] = None
+        self.predicted_exposed_s: Optional[float] = None
+        self.predictions: Dict[int, float] = {}
+        self.alpha_s: Optional[float] = None
+        self.beta_s_per_byte: Optional[float] = None
+        self.source: Optional[str] = None
+        self.restored = False
+        self.sum_exposed_after_s = 0.0
+        self.steps_after = 0
+
+    @property
+    def decided(self) -> bool:
+        return self.chosen is not None
+
+    def group_size_for_next(self, n_layers: int) -> int:
+        """Layers per group of the next calibration step (1, ..., 1, calibration_group_size)."""
+        measured = len(self.samples)
+        return calibration_group_size(n_layers) if measured == self.calibration_steps - 1 else 1
+
+    def ready_to_decide(self) -> bool:
+        return len(self.samples) >= self.calibration_steps
+
+    def measure(self, layer_bytes: Sequence[float], extra_bytes: Optional[float]) -> Dict[str, Any]:
+        """Fit and predict from the samples: ``{"alpha", "beta", "predictions", "choice",
+        "source"}`` (this rank's view; rank 0's choice is the one applied)."""
+        from xirang.sim.calibrate import fit_per_op  # noqa: PLC0415
+
+        n = len(layer_bytes)
+        ops = [op for s in self.samples for op in s.ops]
+        alpha, beta = fit_per_op(ops)
+
+        def med(xs):
+            xs = [x for x in xs if x is not None]
+            return statistics.median(xs) if xs else 0.0
+
+        ready = [med([s.layer_t[i] for s in self.samples]) for i in range(n)]
+        bwd_end = med([s.bwd_end_s for s in self.samples])
+        extra = None
+        if extra_bytes is not None:
+            extra = (med([s.extra_t for s in self.samples]), extra_bytes)
+        preds = {g: predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, g, extra)
+                 for g in range(1, max(1, n) + 1)}
+        return {"alpha": alpha, "beta": beta, "predictions": preds, "choice": choose(preds),
+                "ready_s": ready, "bwd_end_s": bwd_end}
+
+    def record_after(self, exposed_s: float) -> None:
+        self.sum_exposed_after_s += exposed_s
+        self.steps_after += 1
+
+    def report(self) -> Dict[str, Any]:
+        """What ``stats()["autogroup"]`` shows (seconds, bytes)."""
+        return {
+            "mode": "auto",
+            "decided": self.decided,
+            "layers_per_group": self.chosen,
+            "calibration_steps": self.calibration_steps,
+            "calibration_steps_measured": len(self.samples),
+            "restored": self.restored,
+            "alpha_s": self.alpha_s,
+            "beta_s_per_byte": self.beta_s_per_byte,
+            "source": self.source,
+            "predicted_exposed_comm_s": self.predicted_exposed_s,
+            "measured_exposed_comm_s": (self.sum_exposed_after_s / self.steps_after if self.steps_after else None),
+            "steps_since_choice": self.steps_after,
+            "predictions_s": dict(self.predictions),
+        }
+
+    def to_dict(self) -> Optional[Dict[str, Any]]:
+        """For the state_dict: the choice and its prediction (None while calibrating)."""
+        if not self.decided:
+            return None
+        return {"layers_per_group": self.chosen, "predicted_exposed_comm_s": self.predicted_exposed_s,
+                "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
+                "predictions_s": dict(self.predictions), "source": self.source}
+
+    def restore(self, d: Dict[str, Any]) -> None:
+        g = d.get("layers_per_group")
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"hook state_dict: autogroup layers_per_group must be a positive int, got {g!r}")
+        self.chosen = g
+        self.predicted_exposed_s = d.get("predicted_exposed_comm_s")
+        self.alpha_s = d.get("alpha_s")
+        self.beta_s_per_byte = d.get("beta_s_per_byte")
+        self.predictions = {int(k): float(v) for k, v in (d.get("predictions_s") or {}).items()}
+        self.source = d.get("source")
+        self.restored = True
+        self.samples = []
+        self.pending = None
+
+
+def op_seconds_python(launches: List[Tuple[float, float]]) -> List[float]:
+    """Service seconds of operations run one at a time in launch order, from Python-side
+    ``(t_launch, t_done)`` pairs (launch order): ``t_done - max(t_launch, previous t_done)``."""
+    out, prev = [], -math.inf
+    for t_launch, t_done in launches:
+        out.append(max(0.0, t_done - max(t_launch, prev)))
+        prev = max(prev, t_done)
+    return out
