@@ -113,6 +113,37 @@ def test_choose_bandwidth_bound_long_backward_picks_small_groups():
     assert ag.choose(preds) == 1
 
 
+def test_contention_blends_toward_total_and_is_measured():
+    n = 8
+    ready, end = _backward(n, 2e-3)
+    alpha, beta = 1e-6, 1e-9
+    p, exposed, total = ag.predict_exposed(ready, [1e6] * n, end, alpha, beta, 1, with_total=True)
+    assert (p, exposed) == (pytest.approx(alpha + 1e-3), pytest.approx(alpha + 1e-3))
+    assert total == pytest.approx(n * (alpha + 1e-3))
+    # one shared core (k = 1): every second of communication counts, hidden or not
+    assert ag.predict_exposed(ready, [1e6] * n, end, alpha, beta, 1, contention=1.0) == pytest.approx(total)
+    assert ag.predict_exposed(ready, [1e6] * n, end, alpha, beta, 1, contention=0.25) == pytest.approx(
+        0.75 * exposed + 0.25 * total)
+    preds = {g: ag.predict_exposed(ready, [1e6] * n, end, alpha, beta, g, contention=1.0) for g in range(1, n + 1)}
+    assert ag.choose(preds) == n  # the fewest launches (bytes are the same at every g)
+
+    # measure(): alpha, beta from the ops, readiness from the one-group steps, contention from how
+    # much longer backward ran at one layer per group: 0.4 x the 7 ms communicated before its end
+    k_true = 0.4
+    a = ag.AutoGroup(4)
+    ops1 = [(1e6, alpha + beta * 1e6)] * n
+    opsn = [(8e6, alpha + beta * 8e6)]
+    grown = end + k_true * (total - exposed)
+    for gsz, bwd, ops in ((1, grown, ops1), (n, end, opsn), (1, grown, ops1), (n, end, opsn)):
+        a.samples.append(ag.StepSample(gsz, ready if gsz == n else [t * 1.3 for t in ready], None, bwd, ops, 0.0))
+    m = a.measure([1e6] * n, None)
+    assert m["alpha"] == pytest.approx(alpha, rel=1e-6, abs=1e-12) and m["beta"] == pytest.approx(beta, rel=1e-6)
+    assert m["ready_s"] == pytest.approx(ready) and m["bwd_end_s"] == pytest.approx(end)
+    assert m["contention"] == pytest.approx(k_true)
+    assert m["predictions"][1] == pytest.approx((1 - k_true) * exposed + k_true * total)
+    assert a.group_size_for_next(n) == 1 and ag.calibration_group_size(1, n) == n
+
+
 def test_choose_ties_go_to_the_larger_group():
     assert ag.choose({1: 0.0, 2: 0.0, 4: 1e-3}) == 2
     assert ag.choose({1: 1e-3, 2: 1e-3 * (1 + ag.TIE_REL / 2), 3: 2e-3}) == 2
@@ -133,8 +164,8 @@ def test_bad_calibration_steps_raise():
 
 
 def test_ws1_calibrate_regroup_invariant_log_checkpoint(ws1_group, caplog):
-    """TinyLM (8 layers + the root-level ``pos``): 1 layer per group while calibrating (3 steps
-    after DDP's first), 2 layers per group (ceil(8 / 4)) at the last, then the choice; the
+    """TinyLM (8 layers + the root-level ``pos``): calibrating (4 steps after DDP's first) at 1,
+    8, 1, 8 layers per group, then the choice; the
     rounding stand-in's error-feedback invariant sum_t y_t + r = sum_t x_t holds across both
     regroups; the log, stats and the state_dict hold the choice."""
     ws1_group(False)
@@ -149,7 +180,7 @@ def test_ws1_calibrate_regroup_invariant_log_checkpoint(ws1_group, caplog):
     sum_y = {n: torch.zeros_like(params[n], dtype=torch.float64) for n in ef_names}
     sizes = []
     with caplog.at_level(logging.INFO, logger="xirang"):
-        for step in range(7):
+        for step in range(8):
             # gradients before the hook: the reference model's own backward
             ref = hw.TinyLM()
             ref.load_state_dict(model.state_dict())
@@ -164,14 +195,14 @@ def test_ws1_calibrate_regroup_invariant_log_checkpoint(ws1_group, caplog):
             model.zero_grad(set_to_none=True)
     st = state.stats()["autogroup"]
     g = st["layers_per_group"]
-    assert sizes[:4] == [(1, 9), (1, 9), (1, 9), (2, 5)], sizes
-    assert st["decided"] and sizes[4:] == [(g, 1 + -(-8 // g))] * 3
+    assert sizes[:5] == [(1, 9), (1, 9), (8, 2), (1, 9), (8, 2)], sizes
+    assert st["decided"] and sizes[5:] == [(g, 1 + -(-8 // g))] * 3
     assert st["source"] == "python"  # the stand-in keeps no records
     assert sorted(st["predictions_s"]) == list(range(1, 9))
     assert g == ag.choose(st["predictions_s"])
     assert st["predicted_exposed_comm_s"] == st["predictions_s"][g] >= 0
     assert st["steps_since_choice"] == 3 and st["measured_exposed_comm_s"] >= 0
-    assert st["alpha_s"] >= 0 and st["beta_s_per_byte"] >= 0
+    assert st["alpha_s"] >= 0 and st["beta_s_per_byte"] >= 0 and 0 <= st["contention"] <= 1
     msgs = [r.getMessage() for r in caplog.records if r.name == "xirang" and r.levelno == logging.INFO]
     assert any(f"chose {g} layers per group" in m and "1: " in m and "8: " in m for m in msgs), msgs
     # error feedback across the regroups: nothing lost, nothing doubled
@@ -216,15 +247,15 @@ def _run(kind, **cfg):
 
 
 def test_ws2_exact_standin_outputs_are_the_average_through_calibration():
-    recs = _run("fake", exact=True, steps=7)
+    recs = _run("fake", exact=True, steps=8)
     for t, (s0, s1) in enumerate(zip(recs[0]["steps"], recs[1]["steps"])):
         for y0, y1, x0, x1 in zip(s0["y"], s1["y"], s0["x"], s1["x"]):
             torch.testing.assert_close(y0, (x0 + x1) / 2, rtol=1e-6, atol=1e-7, msg=str(t))
             assert torch.equal(y0, y1)
-    # calibration: 1, 1, 1, then ceil(6 / 4) = 2 layers per group; then the one choice
+    # calibration: DDP's first step, then 1, 6, 1, 6 layers per group; then the one choice
     sizes = [s["group_size"] for s in recs[0]["steps"]]
     g = recs[0]["stats"]["autogroup"]["layers_per_group"]
-    assert sizes == [1, 1, 1, 2, g, g, g], sizes
+    assert sizes == [1, 1, 6, 1, 6, g, g, g], sizes
     assert recs[1]["stats"]["autogroup"]["layers_per_group"] == g
 
 
@@ -238,9 +269,9 @@ def test_ws2_real_same_choice_invariant_replicas(kind):
     assert a0["predicted_exposed_comm_s"] == a1["predicted_exposed_comm_s"]  # rank 0's, broadcast
     assert a0["source"] == "records" and sorted(a0["predictions_s"]) == list(range(1, 7))
     assert g == ag.choose(a0["predictions_s"])
-    assert a0["steps_since_choice"] == steps - 4 and a0["measured_exposed_comm_s"] >= 0
+    assert a0["steps_since_choice"] == steps - 5 and a0["measured_exposed_comm_s"] >= 0
     for r in recs:
-        assert [s["group_size"] for s in r["steps"]] == [1, 1, 1, 2] + [g] * (steps - 4)
+        assert [s["group_size"] for s in r["steps"]] == [1, 1, 6, 1, 6] + [g] * (steps - 5)
         assert r["state_dict"]["autogroup"]["layers_per_group"] == g
     names, N = recs[0]["names"], 2
     for k, name in enumerate(names):

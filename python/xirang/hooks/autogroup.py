@@ -5,22 +5,31 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
 
 1. Calibration. The state starts with one layer per group. DDP's first synced step (one big
    bucket: every gradient arrives at the end) is not measured. The next ``calibration_steps``
-   synced steps are: all but the last at one layer per group, the last at
-   ``max(2, ceil(n_layers / 4))`` layers per group, so that the operations have at least two sizes
-   even when every layer has the same size. Per step the state records, in seconds from the
-   step's first hook call: when each layer's last gradient was handed to the hook (its group can
-   launch no earlier) and when the last hook call returned (the end of backward as DDP sees it);
-   per operation its bytes (computed from the group's element counts: what the ring sends per
-   rank, as ``stats()`` counts them) and its seconds on the communication thread (the backend's
-   record, ``total_s``, found by the operation's sequence number; without records, the Python-side
-   service time: completion minus the later of launch and the previous completion).
+   synced steps alternate one layer per group and all layers in one group (1, n, 1, ...): the
+   operations have at least two sizes even when every layer has the same size, and the one-group
+   steps run backward with no communication beside it (their one operation starts at its end).
+   Per step the state records, in seconds from the step's first hook call: when each layer's last
+   gradient was handed to the hook (its group can launch no earlier) and when the last hook call
+   returned (the end of backward as DDP sees it); per operation its bytes (computed from the
+   group's element counts: what the ring sends per rank, as ``stats()`` counts them) and its
+   seconds on the communication thread (the backend's record, ``total_s``, found by the
+   operation's sequence number; without records, the Python-side service time: completion minus
+   the later of launch and the previous completion).
 2. Fit. ``T = alpha + beta B`` per operation, least squares over every calibration operation
    (:func:`xirang.sim.fit_per_op`; alpha s per operation, beta s per byte, both >= 0).
 3. Prediction, for every candidate ``g`` in 1..n_layers (:func:`predict_exposed`): layers are
-   handed at their median measured times, a group is ready at the latest of its layers', its
-   operation costs ``alpha + beta x bytes``, operations run one at a time in launch order
-   (:func:`xirang.sim.timeline.exposed_comm`, the simulator's timeline); exposed = end of the last
-   operation - end of backward (the median measured one), never below 0.
+   handed at their median times of the one-group steps (backward alone), a group is ready at the
+   latest of its layers', its operation costs ``alpha + beta x bytes``, operations run one at a
+   time in launch order (:func:`xirang.sim.timeline.exposed_comm`, the simulator's timeline);
+   exposed = end of the last operation - end of backward, never below 0. The simulator assumes
+   communication does not slow compute; where they share CPU cores (loopback, CPU tensors: the
+   ring's copies and reductions run on the cores backward uses) it does, so the prediction is
+   ``(1 - k) exposed + k total`` (:func:`blend`): ``k`` in [0, 1] is the measured contention, the
+   seconds backward grew per second of communication beside it: (end of backward at one layer
+   per group - end of backward alone) / the predicted communication before the end of backward
+   at one layer per group (total - exposed). ``k = 0``: separate resources (a GPU and its copy
+   engines), the plain timeline; ``k = 1``: one shared core, every second of communication costs
+   a second of step whether hidden or not.
 4. Choice (:func:`choose`): the smallest prediction; predictions within ``max(TIE_REL x best,
    TIE_ABS_S)`` of it count as ties and the largest such ``g`` wins (fewer launches, less
    CPU). Group rank 0 decides and broadcasts ``(g, predicted exposed s)`` over the process group
@@ -39,27 +48,37 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 log = logging.getLogger("xirang")
 
 #: Synced steps measured after DDP's first one (default of ``calibration_steps``).
-CALIBRATION_STEPS = 3
+CALIBRATION_STEPS = 4
 #: Predictions within max(TIE_REL x best, TIE_ABS_S) seconds of the best are ties (largest g wins).
 TIE_REL = 0.02
 TIE_ABS_S = 20e-6
 
 
-def calibration_group_size(n_layers: int) -> int:
-    """Layers per group of the last calibration step: ``max(2, ceil(n_layers / 4))``."""
-    return max(2, math.ceil(n_layers / 4))
+def calibration_group_size(index: int, n_layers: int) -> int:
+    """Layers per group of measured calibration step ``index`` (0-based): 1, n_layers, 1, ..."""
+    return n_layers if index % 2 else 1
+
+
+def blend(exposed_s: float, total_s: float, contention: float) -> float:
+    """``(1 - k) exposed + k total`` (s): the step time communication costs when each second of it
+    beside backward slows backward by ``k`` seconds (first order: exposed + k x the overlapped
+    part, which is total - exposed on a FIFO queue)."""
+    return (1.0 - contention) * exposed_s + contention * total_s
 
 
 def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_end_s: float,
                     alpha: float, beta: float, g: int,
-                    extra: Optional[Tuple[float, float]] = None) -> float:
+                    extra: Optional[Tuple[float, float]] = None, contention: float = 0.0,
+                    with_total: bool = False):
     """Predicted exposed communication (s) of one step at ``g`` layers per group.
 
     ``ready_s[l]``: seconds at which layer ``l`` (forward order) can launch; ``layer_bytes[l]``:
     bytes its operation sends; ``extra``: ``(ready_s, bytes)`` of the group of parameters in no
     layer, always its own group. Groups are runs of ``g`` consecutive layers, ready at the latest
     of their layers, costing ``alpha + beta x bytes`` (s); launched in order of readiness, run one
-    at a time (:func:`xirang.sim.timeline.exposed_comm`); exposed past ``bwd_end_s``.
+    at a time (:func:`xirang.sim.timeline.exposed_comm`); exposed past ``bwd_end_s``, then
+    :func:`blend` ed with the total by ``contention`` (0: the plain timeline). ``with_total``:
+    return ``(prediction, exposed, total)``.
     """
     from xirang.sim.timeline import exposed_comm  # noqa: PLC0415  (lazy: hooks load without sim)
 
@@ -70,7 +89,9 @@ def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_
     if extra is not None:
         units.append((extra[0], alpha + beta * extra[1]))
     units.sort(key=lambda u: u[0])  # launch order: readiness (stable for equal times)
-    return exposed_comm(units, bwd_end_s)[0]
+    exposed, total = exposed_comm(units, bwd_end_s)
+    pred = blend(exposed, total, contention)
+    return (pred, exposed, total) if with_total else pred
 
 
 def choose(predictions: Dict[int, float]) -> int:
@@ -85,10 +106,11 @@ class StepSample:
     """One calibration step: per-layer hand times and end of backward (s from the step's first
     hook call), the operations' ``(bytes, seconds)`` and the measured exposed communication (s)."""
 
-    __slots__ = ("layer_t", "extra_t", "bwd_end_s", "ops", "exposed_s")
+    __slots__ = ("group_size", "layer_t", "extra_t", "bwd_end_s", "ops", "exposed_s")
 
-    def __init__(self, layer_t: List[Optional[float]], extra_t: Optional[float], bwd_end_s: float,
-                 ops: List[Tuple[float, float]], exposed_s: float):
+    def __init__(self, group_size: int, layer_t: List[Optional[float]], extra_t: Optional[float],
+                 bwd_end_s: float, ops: List[Tuple[float, float]], exposed_s: float):
+        self.group_size = group_size
         self.layer_t = layer_t
         self.extra_t = extra_t
         self.bwd_end_s = bwd_end_s
@@ -101,7 +123,7 @@ class AutoGroup:
 
     Attributes after the choice: ``chosen`` (layers per group), ``predicted_exposed_s`` (rank 0's
     prediction for it, s), ``predictions`` (g -> predicted exposed s, this rank's), ``alpha_s``
-    (s per operation), ``beta_s_per_byte``, ``source`` ("records" or "python": where the
+    (s per operation), ``beta_s_per_byte``, ``contention`` (k of :func:`blend`), ``source`` ("records" or "python": where the
     operations' seconds came from), ``restored`` (taken from a checkpoint, not measured).
     """
 
@@ -117,6 +139,7 @@ class AutoGroup:
         self.predictions: Dict[int, float] = {}
         self.alpha_s: Optional[float] = None
         self.beta_s_per_byte: Optional[float] = None
+        self.contention: Optional[float] = None
         self.source: Optional[str] = None
         self.restored = False
         self.sum_exposed_after_s = 0.0
@@ -127,16 +150,15 @@ class AutoGroup:
         return self.chosen is not None
 
     def group_size_for_next(self, n_layers: int) -> int:
-        """Layers per group of the next calibration step (1, ..., 1, calibration_group_size)."""
-        measured = len(self.samples)
-        return calibration_group_size(n_layers) if measured == self.calibration_steps - 1 else 1
+        """Layers per group of the next calibration step (:func:`calibration_group_size`)."""
+        return calibration_group_size(len(self.samples), n_layers)
 
     def ready_to_decide(self) -> bool:
         return len(self.samples) >= self.calibration_steps
 
     def measure(self, layer_bytes: Sequence[float], extra_bytes: Optional[float]) -> Dict[str, Any]:
-        """Fit and predict from the samples: ``{"alpha", "beta", "predictions", "choice",
-        "source"}`` (this rank's view; rank 0's choice is the one applied)."""
+        """Fit and predict from the samples: ``{"alpha", "beta", "contention", "predictions",
+        "choice", ...}`` (this rank's view; rank 0's choice is the one applied)."""
         from xirang.sim.calibrate import fit_per_op  # noqa: PLC0415
 
         n = len(layer_bytes)
@@ -147,14 +169,20 @@ class AutoGroup:
             xs = [x for x in xs if x is not None]
             return statistics.median(xs) if xs else 0.0
 
-        ready = [med([s.layer_t[i] for s in self.samples]) for i in range(n)]
-        bwd_end = med([s.bwd_end_s for s in self.samples])
+        alone = [s for s in self.samples if s.group_size >= n] or self.samples
+        each = [s for s in self.samples if s.group_size == 1] or self.samples
+        ready = [med([s.layer_t[i] for s in alone]) for i in range(n)]
+        bwd_end = med([s.bwd_end_s for s in alone])
         extra = None
         if extra_bytes is not None:
-            extra = (med([s.extra_t for s in self.samples]), extra_bytes)
-        preds = {g: predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, g, extra)
+            extra = (med([s.extra_t for s in alone]), extra_bytes)
+        # contention: how much longer backward ran beside one-layer-per-group communication
+        _, exp1, tot1 = predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, 1, extra, with_total=True)
+        grew = med([s.bwd_end_s for s in each]) - bwd_end
+        k = min(1.0, max(0.0, grew / (tot1 - exp1))) if tot1 - exp1 > 0 else 0.0
+        preds = {g: predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, g, extra, k)
                  for g in range(1, max(1, n) + 1)}
-        return {"alpha": alpha, "beta": beta, "predictions": preds, "choice": choose(preds),
+        return {"alpha": alpha, "beta": beta, "contention": k, "predictions": preds, "choice": choose(preds),
                 "ready_s": ready, "bwd_end_s": bwd_end}
 
     def record_after(self, exposed_s: float) -> None:
@@ -172,6 +200,7 @@ class AutoGroup:
             "restored": self.restored,
             "alpha_s": self.alpha_s,
             "beta_s_per_byte": self.beta_s_per_byte,
+            "contention": self.contention,
             "source": self.source,
             "predicted_exposed_comm_s": self.predicted_exposed_s,
             "measured_exposed_comm_s": (self.sum_exposed_after_s / self.steps_after if self.steps_after else None),
@@ -185,7 +214,7 @@ class AutoGroup:
             return None
         return {"layers_per_group": self.chosen, "predicted_exposed_comm_s": self.predicted_exposed_s,
                 "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
-                "predictions_s": dict(self.predictions), "source": self.source}
+                "contention": self.contention, "predictions_s": dict(self.predictions), "source": self.source}
 
     def restore(self, d: Dict[str, Any]) -> None:
         g = d.get("layers_per_group")
@@ -195,6 +224,7 @@ class AutoGroup:
         self.predicted_exposed_s = d.get("predicted_exposed_comm_s")
         self.alpha_s = d.get("alpha_s")
         self.beta_s_per_byte = d.get("beta_s_per_byte")
+        self.contention = d.get("contention")
         self.predictions = {int(k): float(v) for k, v in (d.get("predictions_s") or {}).items()}
         self.source = d.get("source")
         self.restored = True

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .autogroup import CALIBRATION_STEPS, AutoGroup, StepSample, calibration_group_size, op_seconds_python
+from .autogroup import CALIBRATION_STEPS, AutoGroup, StepSample, op_seconds_python
 from .checkpoint import Checkpointing
 from .layout import Group, Slot, build_groups, check_sparse
 from .stats import hook_stats
@@ -93,8 +93,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             ``None`` or ``"auto"`` (``TypeError`` for another type, ``bool`` included;
             ``ValueError`` below 1 or for another string).
         auto_calibration_steps: with ``layers_per_group="auto"``: synced steps measured after
-            DDP's first one before choosing (an int >= 2, default 3; all but the last at one layer
-            per group, the last at ``max(2, ceil(n_layers / 4))``). The choice is made, agreed
+            DDP's first one before choosing (an int >= 2, default 4; one layer
+            per group and all layers in one group, alternating). The choice is made, agreed
             (group rank 0 decides, a broadcast over ``process_group``) and applied at the first
             hook call of the step after them, on every rank.
         layers: override of the layer list (modules, in the order they count). Default:
@@ -456,7 +456,7 @@ class BF16ErrorFeedbackState(Checkpointing):
             elif step.layer_t is not None:
                 a.seen_steps += 1
                 if a.seen_steps > 1:  # DDP's first synced step (one big bucket) is not measured
-                    a.pending = {"step": step, "groups": [g for g, _ in launched],
+                    a.pending = {"step": step, "groups": [g for g, _ in launched], "group_size": self._auto_lpg,
                                  "t_end": self._t_last_hook_return, "exposed_s": self._exposed_s}
 
     # -- layers_per_group="auto" ------------------------------------------------------------
@@ -512,7 +512,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             if 0 <= layer < self._n_layers:
                 layer_t[layer] = t - t0
         extra = step.layer_t.get(-1)
-        return StepSample(layer_t, None if extra is None else extra - t0, p["t_end"] - t0, ops, p["exposed_s"])
+        return StepSample(p["group_size"], layer_t, None if extra is None else extra - t0, p["t_end"] - t0, ops,
+                          p["exposed_s"])
 
     def _auto_decide(self) -> None:
         a = self._auto
@@ -531,13 +532,14 @@ class BF16ErrorFeedbackState(Checkpointing):
             g, pred = int(t[0].item()), float(t[1].item())
         a.chosen, a.predicted_exposed_s = g, pred
         a.predictions, a.alpha_s, a.beta_s_per_byte = m["predictions"], m["alpha"], m["beta"]
+        a.contention = m["contention"]
         cands = ", ".join(f"{k}: {v * 1e3:.3f}" for k, v in sorted(m["predictions"].items()))
         log.info("xirang hook: layers_per_group='auto' chose %d layers per group (%s; predicted exposed "
                  "communication %.3f ms; fit over %d operations of %d steps (%s): alpha %.1f us per operation, "
-                 "beta %.3g s/B; measured exposed at calibration %.3f ms). Predicted exposed ms by layers per "
+                 "beta %.3g s/B, contention %.2f; measured exposed at calibration %.3f ms). Predicted exposed ms by layers per "
                  "group: %s", g, "rank 0's choice" if g == mine else f"rank 0's choice; this rank's was {mine}",
                  pred * 1e3, sum(len(s.ops) for s in a.samples), len(a.samples), a.source, m["alpha"] * 1e6,
-                 m["beta"], statistics.median([s.exposed_s for s in a.samples]) * 1e3, cands)
+                 m["beta"], m["contention"], statistics.median([s.exposed_s for s in a.samples]) * 1e3, cands)
         self._regroup(g)
 
     # -- stats ------------------------------------------------------------------------------
