@@ -15,8 +15,11 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    seconds on the communication thread (the backend's record, ``total_s``, found by the
    operation's sequence number; without records, the Python-side service time: completion minus
    the later of launch and the previous completion).
-2. Fit. ``T = alpha + beta B`` per operation, least squares over every calibration operation
-   (:func:`xirang.sim.fit_per_op`; alpha s per operation, beta s per byte, both >= 0).
+2. Fit. ``T = alpha + beta B`` per operation, least squares (:func:`xirang.sim.fit_per_op`; alpha
+   s per operation, beta s per byte, both >= 0) over the calibration operations that started
+   after the end of backward (they ran alone: an operation beside backward may be slowed by it,
+   which the contention below accounts for), or over all of them if those have fewer than two
+   sizes.
 3. Prediction, for every candidate ``g`` in 1..n_layers (:func:`predict_exposed`): layers are
    handed at their median times of the one-group steps (backward alone), a group is ready at the
    latest of its layers', its operation costs ``alpha + beta x bytes``, operations run one at a
@@ -103,18 +106,22 @@ def choose(predictions: Dict[int, float]) -> int:
 
 
 class StepSample:
-    """One calibration step: per-layer hand times and end of backward (s from the step's first
-    hook call), the operations' ``(bytes, seconds)`` and the measured exposed communication (s)."""
+    """One calibration step at ``group_size`` layers per group: per-layer hand times and end of
+    backward (s from the step's first hook call), the operations' ``(bytes, seconds)`` (all of
+    them, and those that started after the end of backward: alone on the CPU) and the measured
+    exposed communication (s)."""
 
-    __slots__ = ("group_size", "layer_t", "extra_t", "bwd_end_s", "ops", "exposed_s")
+    __slots__ = ("group_size", "layer_t", "extra_t", "bwd_end_s", "ops", "exposed_s", "ops_after")
 
     def __init__(self, group_size: int, layer_t: List[Optional[float]], extra_t: Optional[float],
-                 bwd_end_s: float, ops: List[Tuple[float, float]], exposed_s: float):
+                 bwd_end_s: float, ops: List[Tuple[float, float]], exposed_s: float,
+                 ops_after: Optional[List[Tuple[float, float]]] = None):
         self.group_size = group_size
         self.layer_t = layer_t
         self.extra_t = extra_t
         self.bwd_end_s = bwd_end_s
         self.ops = ops
+        self.ops_after = ops_after  # the ops that started after the end of backward (None: unknown)
         self.exposed_s = exposed_s
 
 
@@ -162,7 +169,10 @@ class AutoGroup:
         from xirang.sim.calibrate import fit_per_op  # noqa: PLC0415
 
         n = len(layer_bytes)
-        ops = [op for s in self.samples for op in s.ops]
+        # The fit: operations that ran after backward (not slowed by it) when they have two sizes
+        # at least; else every operation.
+        after = [op for s in self.samples for op in (s.ops_after or [])]
+        ops = after if len({b for b, _ in after}) >= 2 else [op for s in self.samples for op in s.ops]
         alpha, beta = fit_per_op(ops)
 
         def med(xs):

@@ -498,13 +498,16 @@ class BF16ErrorFeedbackState(Checkpointing):
         if None not in seqs and hasattr(self._backend, "records"):
             recs = {r["seq"]: r for r in self._backend.records() if r["seq"] in seqs and r.get("ok", True)}
         py = op_seconds_python([(step.groups[g.index].t_launch, step.groups[g.index].t_done) for g in order])
-        ops = []
+        ops, after = [], []
         from_records = True
         for g, t_py in zip(order, py):
             r = recs.get(step.groups[g.index].seq)
             if r is None:
                 from_records = False
-            ops.append((self._bytes_of(g.slots), float(r["total_s"]) if r is not None else t_py))
+            op = (self._bytes_of(g.slots), float(r["total_s"]) if r is not None else t_py)
+            ops.append(op)
+            if step.groups[g.index].t_done - op[1] >= p["t_end"]:  # started after backward's end
+                after.append(op)
         src = "records" if from_records else "python"
         self._auto.source = src if self._auto.source in (None, src) else "python"
         layer_t: List[Optional[float]] = [None] * self._n_layers
@@ -513,7 +516,7 @@ class BF16ErrorFeedbackState(Checkpointing):
                 layer_t[layer] = t - t0
         extra = step.layer_t.get(-1)
         return StepSample(p["group_size"], layer_t, None if extra is None else extra - t0, p["t_end"] - t0, ops,
-                          p["exposed_s"])
+                          p["exposed_s"], after)
 
     def _auto_decide(self) -> None:
         a = self._auto
