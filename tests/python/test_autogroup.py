@@ -142,6 +142,18 @@ def test_contention_blends_toward_total_and_is_measured():
     assert m["contention"] == pytest.approx(k_true)
     assert m["predictions"][1] == pytest.approx((1 - k_true) * exposed + k_true * total)
     assert a.group_size_for_next(n) == 1 and ag.calibration_group_size(1, n) == n
+    # operations that ran after backward (alone) are fitted when they have two sizes: the slower
+    # ones beside backward (here 3x) are then left out
+    for smp in a.samples:
+        smp.ops_after = list(smp.ops[-1:])
+        smp.ops = [(b, 3 * t) for b, t in smp.ops[:-1]] + smp.ops[-1:]
+    m = a.measure([1e6] * n, None)
+    assert m["alpha"] == pytest.approx(alpha, rel=1e-6, abs=1e-12) and m["beta"] == pytest.approx(beta, rel=1e-6)
+    # of each size the fastest: a slow first operation after backward (waiting for the peer) is ignored
+    a.samples[0].ops_after = [(1e6, 0.5)] + a.samples[0].ops_after
+    m = a.measure([1e6] * n, None)
+    assert m["alpha"] == pytest.approx(alpha, rel=1e-6, abs=1e-12) and m["beta"] == pytest.approx(beta, rel=1e-6)
+    assert ag.fastest_per_size([(2.0, 3.0), (1.0, 5.0), (2.0, 1.0)]) == [(1.0, 5.0), (2.0, 1.0)]
 
 
 def test_choose_ties_go_to_the_larger_group():

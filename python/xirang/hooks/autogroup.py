@@ -19,7 +19,9 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    s per operation, beta s per byte, both >= 0) over the calibration operations that started
    after the end of backward (they ran alone: an operation beside backward may be slowed by it,
    which the contention below accounts for), or over all of them if those have fewer than two
-   sizes.
+   sizes; of each size only the fastest (:func:`fastest_per_size`: the first operation after
+   backward also waits for the slowest rank to finish its backward, and a preempted one for its
+   core; neither depends on the group size).
 3. Prediction, for every candidate ``g`` in 1..n_layers (:func:`predict_exposed`): layers are
    handed at their median times of the one-group steps (backward alone), a group is ready at the
    latest of its layers', its operation costs ``alpha + beta x bytes``, operations run one at a
@@ -173,19 +175,20 @@ class AutoGroup:
         # at least; else every operation.
         after = [op for s in self.samples for op in (s.ops_after or [])]
         ops = after if len({b for b, _ in after}) >= 2 else [op for s in self.samples for op in s.ops]
-        alpha, beta = fit_per_op(ops)
+        alpha, beta = fit_per_op(fastest_per_size(ops))
 
-        def med(xs):
+        def med(xs, default=0.0):
             xs = [x for x in xs if x is not None]
-            return statistics.median(xs) if xs else 0.0
+            return statistics.median(xs) if xs else default
 
         alone = [s for s in self.samples if s.group_size >= n] or self.samples
         each = [s for s in self.samples if s.group_size == 1] or self.samples
-        ready = [med([s.layer_t[i] for s in alone]) for i in range(n)]
         bwd_end = med([s.bwd_end_s for s in alone])
+        # a layer never handed (no gradient: unused) is launched at the end of the step
+        ready = [med([s.layer_t[i] for s in alone], bwd_end) for i in range(n)]
         extra = None
         if extra_bytes is not None:
-            extra = (med([s.extra_t for s in alone]), extra_bytes)
+            extra = (med([s.extra_t for s in alone], bwd_end), extra_bytes)
         # contention: how much longer backward ran beside one-layer-per-group communication
         _, exp1, tot1 = predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, 1, extra, with_total=True)
         grew = med([s.bwd_end_s for s in each]) - bwd_end
@@ -240,6 +243,14 @@ class AutoGroup:
         self.restored = True
         self.samples = []
         self.pending = None
+
+
+def fastest_per_size(ops: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """``(bytes, the least seconds seen at that size)`` for every distinct size in ``ops``."""
+    best: Dict[float, float] = {}
+    for b, t in ops:
+        best[b] = min(t, best.get(b, math.inf))
+    return sorted(best.items())
 
 
 def op_seconds_python(launches: List[Tuple[float, float]]) -> List[float]:

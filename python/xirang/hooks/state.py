@@ -564,6 +564,14 @@ class BF16ErrorFeedbackState(Checkpointing):
         counterparts, and ``residual_bytes`` (residual + staging). ``totals`` sums bytes,
         launches and residual bytes and adds ``exposed_comm_s``: last hook return -> the
         step's last group done, an estimate of how long DDP waits on communication.
+        ``autogroup``: None unless ``layers_per_group="auto"``; then ``decided``,
+        ``layers_per_group`` (the choice, None while calibrating), ``calibration_steps`` and
+        ``calibration_steps_measured``, ``restored`` (from a checkpoint), ``alpha_s`` (s per
+        operation), ``beta_s_per_byte``, ``contention`` (0..1), ``source`` ("records" or
+        "python"), ``predicted_exposed_comm_s`` (rank 0's, for the choice), ``measured_exposed_comm_s``
+        (mean ``exposed_comm_s`` of the steps since the choice), ``steps_since_choice`` and
+        ``predictions_s`` (g -> predicted s, this rank's). After a regroup the per-group figures
+        start again with the new groups.
         """
         out = hook_stats(self._groups, self.world_size or 1, self._exposed_s, self._sum_exposed_s, self.steps,
                          self.skipped_steps)
