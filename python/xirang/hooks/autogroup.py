@@ -9,8 +9,8 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    operations have at least two sizes even when every layer has the same size, and the one-group
    steps run backward with no communication beside it (their one operation starts at its end).
    Per step the state records, in seconds from the step's first hook call: when each layer's last
-   gradient was handed to the hook (its group can launch no earlier) and when the last hook call
-   returned (the end of backward as DDP sees it); per operation its bytes (computed from the
+   gradient was handed to the hook (its group can launch no earlier; the latest of these is the
+   end of backward); per operation its bytes (computed from the
    group's element counts: what the ring sends per rank, as ``stats()`` counts them) and its
    seconds on the communication thread (the backend's record, ``total_s``, found by the
    operation's sequence number; without records, the Python-side service time: completion minus
@@ -23,15 +23,16 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    backward also waits for the slowest rank to finish its backward, and a preempted one for its
    core; neither depends on the group size).
 3. Prediction, for every candidate ``g`` in 1..n_layers (:func:`predict_exposed`): layers are
-   handed at their median times of the one-group steps (backward alone), a group is ready at the
+   handed at their times in the fastest one-group step (backward alone; noise only slows steps
+   down, so of each kind the fastest is taken), a group is ready at the
    latest of its layers', its operation costs ``alpha + beta x bytes``, operations run one at a
    time in launch order (:func:`xirang.sim.timeline.exposed_comm`, the simulator's timeline);
    exposed = end of the last operation - end of backward, never below 0. The simulator assumes
    communication does not slow compute; where they share CPU cores (loopback, CPU tensors: the
    ring's copies and reductions run on the cores backward uses) it does, so the prediction is
    ``(1 - k) exposed + k total`` (:func:`blend`): ``k`` in [0, 1] is the measured contention, the
-   seconds backward grew per second of communication beside it: (end of backward at one layer
-   per group - end of backward alone) / the predicted communication before the end of backward
+   seconds backward grew per second of communication beside it: (end of the fastest backward at
+   one layer per group - end of the fastest alone) / the predicted communication before the end of backward
    at one layer per group (total - exposed). ``k = 0``: separate resources (a GPU and its copy
    engines), the plain timeline; ``k = 1``: one shared core, every second of communication costs
    a second of step whether hidden or not.
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 log = logging.getLogger("xirang")
@@ -177,21 +177,20 @@ class AutoGroup:
         ops = after if len({b for b, _ in after}) >= 2 else [op for s in self.samples for op in s.ops]
         alpha, beta = fit_per_op(fastest_per_size(ops))
 
-        def med(xs, default=0.0):
-            xs = [x for x in xs if x is not None]
-            return statistics.median(xs) if xs else default
-
-        alone = [s for s in self.samples if s.group_size >= n] or self.samples
-        each = [s for s in self.samples if s.group_size == 1] or self.samples
-        bwd_end = med([s.bwd_end_s for s in alone])
+        # Timing noise (preemption, the other ranks' load) only ever slows a step down: of each kind
+        # of step the fastest backward is the one measured.
+        alone = min((s for s in self.samples if s.group_size >= n), key=lambda s: s.bwd_end_s,
+                    default=min(self.samples, key=lambda s: s.bwd_end_s))
+        each = min((s.bwd_end_s for s in self.samples if s.group_size == 1), default=alone.bwd_end_s)
+        bwd_end = alone.bwd_end_s
         # a layer never handed (no gradient: unused) is launched at the end of the step
-        ready = [med([s.layer_t[i] for s in alone], bwd_end) for i in range(n)]
+        ready = [bwd_end if alone.layer_t[i] is None else alone.layer_t[i] for i in range(n)]
         extra = None
         if extra_bytes is not None:
-            extra = (med([s.extra_t for s in alone], bwd_end), extra_bytes)
+            extra = (bwd_end if alone.extra_t is None else alone.extra_t, extra_bytes)
         # contention: how much longer backward ran beside one-layer-per-group communication
         _, exp1, tot1 = predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, 1, extra, with_total=True)
-        grew = med([s.bwd_end_s for s in each]) - bwd_end
+        grew = each - bwd_end
         k = min(1.0, max(0.0, grew / (tot1 - exp1))) if tot1 - exp1 > 0 else 0.0
         preds = {g: predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, g, extra, k)
                  for g in range(1, max(1, n) + 1)}

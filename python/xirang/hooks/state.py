@@ -498,6 +498,9 @@ class BF16ErrorFeedbackState(Checkpointing):
         if None not in seqs and hasattr(self._backend, "records"):
             recs = {r["seq"]: r for r in self._backend.records() if r["seq"] in seqs and r.get("ok", True)}
         py = op_seconds_python([(step.groups[g.index].t_launch, step.groups[g.index].t_done) for g in order])
+        # The end of backward: the last hook call that handed a gradient (its start), not its
+        # return: the operation it launches competes with the rest of that call for the CPU.
+        t_end = max(step.layer_t.values(), default=p["t_end"])
         ops, after = [], []
         from_records = True
         for g, t_py in zip(order, py):
@@ -506,7 +509,7 @@ class BF16ErrorFeedbackState(Checkpointing):
                 from_records = False
             op = (self._bytes_of(g.slots), float(r["total_s"]) if r is not None else t_py)
             ops.append(op)
-            if step.groups[g.index].t_done - op[1] >= p["t_end"]:  # started after backward's end
+            if step.groups[g.index].t_done - op[1] >= t_end:  # started after backward's end
                 after.append(op)
         src = "records" if from_records else "python"
         self._auto.source = src if self._auto.source in (None, src) else "python"
@@ -515,7 +518,7 @@ class BF16ErrorFeedbackState(Checkpointing):
             if 0 <= layer < self._n_layers:
                 layer_t[layer] = t - t0
         extra = step.layer_t.get(-1)
-        return StepSample(p["group_size"], layer_t, None if extra is None else extra - t0, p["t_end"] - t0, ops,
+        return StepSample(p["group_size"], layer_t, None if extra is None else extra - t0, t_end - t0, ops,
                           p["exposed_s"], after)
 
     def _auto_decide(self) -> None:
