@@ -581,7 +581,7 @@ def sweep_table(rows: list) -> str:
                 preds = a.get("predictions_s") or {}
                 out.append(f"auto (rank 0): chose {a.get('layers_per_group')}; alpha {1e6 * (a.get('alpha_s') or 0):.1f} us"
                            f"/op, beta {a.get('beta_s_per_byte') or 0:.3g} s/B ({a.get('source')}), contention "
-                           f"{a.get('contention') or 0:.2f}; predicted exposed "
+                           f"{a.get('contention') or 0:.2f}, slowdown {a.get('slowdown') or 1:.2f}; predicted exposed "
                            f"{1e3 * pred if pred is not None else float('nan'):.3f} ms, hook-measured "
                            f"{1e3 * meas if meas is not None else float('nan'):.3f} ms")
                 out.append("  predicted exposed ms by layers/group: "

@@ -66,6 +66,11 @@ def test_serial_queue_by_hand():
     assert exposed_comm(units, 10.0) == (0.5, 3.5)
     assert exposed_comm(units, 11.0) == (0.0, 3.5)
     assert exposed_comm([], 1.0) == (0.0, 0.0)
+    # 3x slower before t = 4: the first op (ready 0, 1 s of work) takes 3 s; the second (ready 0,
+    # 2 s) starts at 3, does 1/3 s of work by 4, the other 5/3 s after: ends at 17/3
+    assert serial_queue([(0.0, 1.0), (0.0, 2.0)], 4.0, 3.0) == (pytest.approx(17 / 3), pytest.approx(17 / 3))
+    assert exposed_comm([(0.0, 1.0), (0.0, 2.0)], 4.0, 3.0) == (pytest.approx(5 / 3), pytest.approx(17 / 3))
+    assert serial_queue([(5.0, 1.0)], 4.0, 3.0) == (6.0, 1.0)  # after the slow part: unchanged
 
 
 def _backward(n, per_layer_s):
@@ -154,6 +159,15 @@ def test_contention_blends_toward_total_and_is_measured():
     m = a.measure([1e6] * n, None)
     assert m["alpha"] == pytest.approx(alpha, rel=1e-6, abs=1e-12) and m["beta"] == pytest.approx(beta, rel=1e-6)
     assert ag.fastest_per_size([(2.0, 3.0), (1.0, 5.0), (2.0, 1.0)]) == [(1.0, 5.0), (2.0, 1.0)]
+    assert m["slowdown"] == 1.0  # no operation known to have run beside backward
+    # operations beside backward 2.5x slower than the fit (median of 2, 2.5, 3): slowdown 2.5, and
+    # the prediction is the slowed timeline's
+    c1 = alpha + beta * 1e6
+    a.samples[0].ops_beside = [(1e6, 2 * c1), (1e6, 2.5 * c1), (1e6, 3 * c1)]
+    m = a.measure([1e6] * n, None)
+    assert m["slowdown"] == pytest.approx(2.5)
+    p1, e1, t1 = ag.predict_exposed(ready, [1e6] * n, end, alpha, beta, 1, with_total=True, slowdown=2.5)
+    assert t1 > total and m["predictions"][1] == pytest.approx((1 - m["contention"]) * e1 + m["contention"] * t1)
 
 
 def test_choose_ties_go_to_the_larger_group():

@@ -10,8 +10,8 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    steps run backward with no communication beside it (their one operation starts at its end).
    Per step the state records, in seconds from the step's first hook call: when each layer's last
    gradient was handed to the hook (its group can launch no earlier; the latest of these is the
-   end of backward); per operation its bytes (computed from the
-   group's element counts: what the ring sends per rank, as ``stats()`` counts them) and its
+   end of backward); per operation its bytes (computed from the group's element counts: what the
+   ring sends per rank, as ``stats()`` counts them) and its
    seconds on the communication thread (the backend's record, ``total_s``, found by the
    operation's sequence number; without records, the Python-side service time: completion minus
    the later of launch and the previous completion).
@@ -24,16 +24,19 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    core; neither depends on the group size).
 3. Prediction, for every candidate ``g`` in 1..n_layers (:func:`predict_exposed`): layers are
    handed at their times in the fastest one-group step (backward alone; noise only slows steps
-   down, so of each kind the fastest is taken), a group is ready at the
-   latest of its layers', its operation costs ``alpha + beta x bytes``, operations run one at a
+   down, so of each kind the fastest is taken), a group is ready at the latest of its layers',
+   its operation costs ``alpha + beta x bytes``, operations run one at a
    time in launch order (:func:`xirang.sim.timeline.exposed_comm`, the simulator's timeline);
    exposed = end of the last operation - end of backward, never below 0. The simulator assumes
-   communication does not slow compute; where they share CPU cores (loopback, CPU tensors: the
-   ring's copies and reductions run on the cores backward uses) it does, so the prediction is
+   compute and communication do not slow each other; where they share CPU cores (loopback, CPU
+   tensors: the ring's copies and reductions run on the cores backward uses) they do, both ways,
+   and the calibration measures both. An operation beside backward runs ``slowdown`` (>= 1) times
+   slower: the median, over the operations that ran beside backward all along, of their seconds
+   over the fit's (the timeline slows them until the end of backward). And the prediction is
    ``(1 - k) exposed + k total`` (:func:`blend`): ``k`` in [0, 1] is the measured contention, the
    seconds backward grew per second of communication beside it: (end of the fastest backward at
-   one layer per group - end of the fastest alone) / the predicted communication before the end of backward
-   at one layer per group (total - exposed). ``k = 0``: separate resources (a GPU and its copy
+   one layer per group - end of the fastest alone) / the predicted communication before the end
+   of backward at one layer per group (total - exposed). ``k = 0``: separate resources (a GPU and its copy
    engines), the plain timeline; ``k = 1``: one shared core, every second of communication costs
    a second of step whether hidden or not.
 4. Choice (:func:`choose`): the smallest prediction; predictions within ``max(TIE_REL x best,
@@ -46,11 +49,9 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
 """
 from __future__ import annotations
 
-import logging
 import math
+import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-log = logging.getLogger("xirang")
 
 #: Synced steps measured after DDP's first one (default of ``calibration_steps``).
 CALIBRATION_STEPS = 4
@@ -74,14 +75,15 @@ def blend(exposed_s: float, total_s: float, contention: float) -> float:
 def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_end_s: float,
                     alpha: float, beta: float, g: int,
                     extra: Optional[Tuple[float, float]] = None, contention: float = 0.0,
-                    with_total: bool = False):
+                    with_total: bool = False, slowdown: float = 1.0):
     """Predicted exposed communication (s) of one step at ``g`` layers per group.
 
     ``ready_s[l]``: seconds at which layer ``l`` (forward order) can launch; ``layer_bytes[l]``:
     bytes its operation sends; ``extra``: ``(ready_s, bytes)`` of the group of parameters in no
     layer, always its own group. Groups are runs of ``g`` consecutive layers, ready at the latest
     of their layers, costing ``alpha + beta x bytes`` (s); launched in order of readiness, run one
-    at a time (:func:`xirang.sim.timeline.exposed_comm`); exposed past ``bwd_end_s``, then
+    at a time (:func:`xirang.sim.timeline.exposed_comm`; ``slowdown`` times slower before
+    ``bwd_end_s``); exposed past ``bwd_end_s``, then
     :func:`blend` ed with the total by ``contention`` (0: the plain timeline). ``with_total``:
     return ``(prediction, exposed, total)``.
     """
@@ -94,7 +96,7 @@ def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_
     if extra is not None:
         units.append((extra[0], alpha + beta * extra[1]))
     units.sort(key=lambda u: u[0])  # launch order: readiness (stable for equal times)
-    exposed, total = exposed_comm(units, bwd_end_s)
+    exposed, total = exposed_comm(units, bwd_end_s, slowdown)
     pred = blend(exposed, total, contention)
     return (pred, exposed, total) if with_total else pred
 
@@ -110,20 +112,23 @@ def choose(predictions: Dict[int, float]) -> int:
 class StepSample:
     """One calibration step at ``group_size`` layers per group: per-layer hand times and end of
     backward (s from the step's first hook call), the operations' ``(bytes, seconds)`` (all of
-    them, and those that started after the end of backward: alone on the CPU) and the measured
+    them, those that started after the end of backward: alone on the CPU, and those that ended
+    before it: beside backward all along) and the measured
     exposed communication (s)."""
 
-    __slots__ = ("group_size", "layer_t", "extra_t", "bwd_end_s", "ops", "exposed_s", "ops_after")
+    __slots__ = ("group_size", "layer_t", "extra_t", "bwd_end_s", "ops", "exposed_s", "ops_after", "ops_beside")
 
     def __init__(self, group_size: int, layer_t: List[Optional[float]], extra_t: Optional[float],
                  bwd_end_s: float, ops: List[Tuple[float, float]], exposed_s: float,
-                 ops_after: Optional[List[Tuple[float, float]]] = None):
+                 ops_after: Optional[List[Tuple[float, float]]] = None,
+                 ops_beside: Optional[List[Tuple[float, float]]] = None):
         self.group_size = group_size
         self.layer_t = layer_t
         self.extra_t = extra_t
         self.bwd_end_s = bwd_end_s
         self.ops = ops
         self.ops_after = ops_after  # the ops that started after the end of backward (None: unknown)
+        self.ops_beside = ops_beside  # the ops that ended before it: all of it beside backward
         self.exposed_s = exposed_s
 
 
@@ -149,6 +154,7 @@ class AutoGroup:
         self.alpha_s: Optional[float] = None
         self.beta_s_per_byte: Optional[float] = None
         self.contention: Optional[float] = None
+        self.slowdown: Optional[float] = None
         self.source: Optional[str] = None
         self.restored = False
         self.sum_exposed_after_s = 0.0
@@ -188,14 +194,20 @@ class AutoGroup:
         extra = None
         if extra_bytes is not None:
             extra = (bwd_end if alone.extra_t is None else alone.extra_t, extra_bytes)
+        # slowdown: how much longer an operation took beside backward than the fit says it takes
+        # alone (the median over the operations that ran beside backward all along; >= 1)
+        ratios = [t / (alpha + beta * b) for smp in self.samples for b, t in (smp.ops_beside or [])
+                  if alpha + beta * b > 0]
+        slow = max(1.0, statistics.median(ratios)) if ratios else 1.0
         # contention: how much longer backward ran beside one-layer-per-group communication
-        _, exp1, tot1 = predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, 1, extra, with_total=True)
+        _, exp1, tot1 = predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, 1, extra, with_total=True,
+                                        slowdown=slow)
         grew = each - bwd_end
         k = min(1.0, max(0.0, grew / (tot1 - exp1))) if tot1 - exp1 > 0 else 0.0
-        preds = {g: predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, g, extra, k)
+        preds = {g: predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, g, extra, k, slowdown=slow)
                  for g in range(1, max(1, n) + 1)}
-        return {"alpha": alpha, "beta": beta, "contention": k, "predictions": preds, "choice": choose(preds),
-                "ready_s": ready, "bwd_end_s": bwd_end}
+        return {"alpha": alpha, "beta": beta, "contention": k, "slowdown": slow, "predictions": preds,
+                "choice": choose(preds), "ready_s": ready, "bwd_end_s": bwd_end}
 
     def record_after(self, exposed_s: float) -> None:
         self.sum_exposed_after_s += exposed_s
@@ -213,6 +225,7 @@ class AutoGroup:
             "alpha_s": self.alpha_s,
             "beta_s_per_byte": self.beta_s_per_byte,
             "contention": self.contention,
+            "slowdown": self.slowdown,
             "source": self.source,
             "predicted_exposed_comm_s": self.predicted_exposed_s,
             "measured_exposed_comm_s": (self.sum_exposed_after_s / self.steps_after if self.steps_after else None),
@@ -226,7 +239,7 @@ class AutoGroup:
             return None
         return {"layers_per_group": self.chosen, "predicted_exposed_comm_s": self.predicted_exposed_s,
                 "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
-                "contention": self.contention, "predictions_s": dict(self.predictions), "source": self.source}
+                "contention": self.contention, "slowdown": self.slowdown, "predictions_s": dict(self.predictions), "source": self.source}
 
     def restore(self, d: Dict[str, Any]) -> None:
         g = d.get("layers_per_group")
@@ -237,6 +250,7 @@ class AutoGroup:
         self.alpha_s = d.get("alpha_s")
         self.beta_s_per_byte = d.get("beta_s_per_byte")
         self.contention = d.get("contention")
+        self.slowdown = d.get("slowdown")
         self.predictions = {int(k): float(v) for k, v in (d.get("predictions_s") or {}).items()}
         self.source = d.get("source")
         self.restored = True

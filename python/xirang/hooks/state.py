@@ -501,7 +501,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         # The end of backward: the last hook call that handed a gradient (its start), not its
         # return: the operation it launches competes with the rest of that call for the CPU.
         t_end = max(step.layer_t.values(), default=p["t_end"])
-        ops, after = [], []
+        ops, after, beside = [], [], []
         from_records = True
         for g, t_py in zip(order, py):
             r = recs.get(step.groups[g.index].seq)
@@ -511,6 +511,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             ops.append(op)
             if step.groups[g.index].t_done - op[1] >= t_end:  # started after backward's end
                 after.append(op)
+            elif step.groups[g.index].t_done <= t_end:  # ran beside backward all along
+                beside.append(op)
         src = "records" if from_records else "python"
         self._auto.source = src if self._auto.source in (None, src) else "python"
         layer_t: List[Optional[float]] = [None] * self._n_layers
@@ -519,7 +521,7 @@ class BF16ErrorFeedbackState(Checkpointing):
                 layer_t[layer] = t - t0
         extra = step.layer_t.get(-1)
         return StepSample(p["group_size"], layer_t, None if extra is None else extra - t0, t_end - t0, ops,
-                          p["exposed_s"], after)
+                          p["exposed_s"], after, beside)
 
     def _auto_decide(self) -> None:
         a = self._auto
@@ -538,14 +540,16 @@ class BF16ErrorFeedbackState(Checkpointing):
             g, pred = int(t[0].item()), float(t[1].item())
         a.chosen, a.predicted_exposed_s = g, pred
         a.predictions, a.alpha_s, a.beta_s_per_byte = m["predictions"], m["alpha"], m["beta"]
-        a.contention = m["contention"]
+        a.contention, a.slowdown = m["contention"], m["slowdown"]
         cands = ", ".join(f"{k}: {v * 1e3:.3f}" for k, v in sorted(m["predictions"].items()))
+        who = "rank 0's choice" if g == mine else f"rank 0's choice; this rank's was {mine}"
+        n_ops = sum(len(s.ops) for s in a.samples)
+        exposed_cal = statistics.median([s.exposed_s for s in a.samples])
         log.info("xirang hook: layers_per_group='auto' chose %d layers per group (%s; predicted exposed "
-                 "communication %.3f ms; fit over %d operations of %d steps (%s): alpha %.1f us per operation, "
-                 "beta %.3g s/B, contention %.2f; measured exposed at calibration %.3f ms). Predicted exposed ms by layers per "
-                 "group: %s", g, "rank 0's choice" if g == mine else f"rank 0's choice; this rank's was {mine}",
-                 pred * 1e3, sum(len(s.ops) for s in a.samples), len(a.samples), a.source, m["alpha"] * 1e6,
-                 m["beta"], m["contention"], statistics.median([s.exposed_s for s in a.samples]) * 1e3, cands)
+                 "communication %.3f ms; fit over %d operations of %d steps (%s): alpha %.1f us per "
+                 "operation, beta %.3g s/B, contention %.2f, slowdown beside backward %.2f; measured exposed at calibration %.3f ms). "
+                 "Predicted exposed ms by layers per group: %s", g, who, pred * 1e3, n_ops, len(a.samples),
+                 a.source, m["alpha"] * 1e6, m["beta"], m["contention"], m["slowdown"], exposed_cal * 1e3, cands)
         self._regroup(g)
 
     # -- stats ------------------------------------------------------------------------------
@@ -570,7 +574,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         ``autogroup``: None unless ``layers_per_group="auto"``; then ``decided``,
         ``layers_per_group`` (the choice, None while calibrating), ``calibration_steps`` and
         ``calibration_steps_measured``, ``restored`` (from a checkpoint), ``alpha_s`` (s per
-        operation), ``beta_s_per_byte``, ``contention`` (0..1), ``source`` ("records" or
+        operation), ``beta_s_per_byte``, ``contention`` (0..1), ``slowdown`` (>= 1), ``source`` ("records" or
         "python"), ``predicted_exposed_comm_s`` (rank 0's, for the choice), ``measured_exposed_comm_s``
         (mean ``exposed_comm_s`` of the steps since the choice), ``steps_since_choice`` and
         ``predictions_s`` (g -> predicted s, this rank's). After a regroup the per-group figures
