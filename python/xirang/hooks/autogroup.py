@@ -11,17 +11,18 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    Per step the state records, in seconds from the step's first hook call: when each layer's last
    gradient was handed to the hook (its group can launch no earlier; the latest of these is the
    end of backward); per operation its bytes (computed from the group's element counts: what the
-   ring sends per rank, as ``stats()`` counts them) and its
-   seconds on the communication thread (the backend's record, ``total_s``, found by the
-   operation's sequence number; without records, the Python-side service time: completion minus
-   the later of launch and the previous completion).
+   ring sends per rank, as ``stats()`` counts them) and its seconds in the queue: the Python-side
+   service time (completion minus the later of launch and the previous completion: the backend's
+   work plus the hook's completion callbacks on the communication thread, which hold up the next
+   operation too), at least the backend's record's ``total_s`` (found by the operation's sequence
+   number; the record alone misses the callbacks: on loopback it read 2-3x less).
 2. Fit. ``T = alpha + beta B`` per operation, least squares (:func:`xirang.sim.fit_per_op`; alpha
    s per operation, beta s per byte, both >= 0) over the calibration operations that started
    after the end of backward (they ran alone: an operation beside backward may be slowed by it,
    which the contention below accounts for), or over all of them if those have fewer than two
-   sizes; of each size only the fastest (:func:`fastest_per_size`: the first operation after
-   backward also waits for the slowest rank to finish its backward, and a preempted one for its
-   core; neither depends on the group size).
+   sizes; of each size the median (:func:`median_per_size`: every size weighs the same, and a
+   few slow operations, preempted or waiting for a late peer, do not pull the fit; the waits of
+   typical operations stay in, as each operation is a point where the ranks meet).
 3. Prediction, for every candidate ``g`` in 1..n_layers (:func:`predict_exposed`): layers are
    handed at their times in the fastest one-group step (backward alone; noise only slows steps
    down, so of each kind the fastest is taken), a group is ready at the latest of its layers',
@@ -116,7 +117,8 @@ class StepSample:
     before it: beside backward all along) and the measured
     exposed communication (s)."""
 
-    __slots__ = ("group_size", "layer_t", "extra_t", "bwd_end_s", "ops", "exposed_s", "ops_after", "ops_beside")
+    __slots__ = ("group_size", "layer_t", "extra_t", "bwd_end_s", "ops", "exposed_s", "ops_after",
+                 "ops_beside")
 
     def __init__(self, group_size: int, layer_t: List[Optional[float]], extra_t: Optional[float],
                  bwd_end_s: float, ops: List[Tuple[float, float]], exposed_s: float,
@@ -137,12 +139,15 @@ class AutoGroup:
 
     Attributes after the choice: ``chosen`` (layers per group), ``predicted_exposed_s`` (rank 0's
     prediction for it, s), ``predictions`` (g -> predicted exposed s, this rank's), ``alpha_s``
-    (s per operation), ``beta_s_per_byte``, ``contention`` (k of :func:`blend`), ``source`` ("records" or "python": where the
+    (s per operation), ``beta_s_per_byte``, ``contention`` (k of :func:`blend`), ``slowdown``,
+    ``source`` ("records+python": Python-side service times floored by the records, or "python":
+    no records; where the
     operations' seconds came from), ``restored`` (taken from a checkpoint, not measured).
     """
 
     def __init__(self, calibration_steps: int = CALIBRATION_STEPS):
-        if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) or calibration_steps < 2:
+        if (isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int)
+                or calibration_steps < 2):
             raise ValueError(f"calibration_steps must be an int >= 2, got {calibration_steps!r}")
         self.calibration_steps = calibration_steps
         self.seen_steps = 0  # synced steps committed in this process while calibrating
@@ -181,7 +186,7 @@ class AutoGroup:
         # at least; else every operation.
         after = [op for s in self.samples for op in (s.ops_after or [])]
         ops = after if len({b for b, _ in after}) >= 2 else [op for s in self.samples for op in s.ops]
-        alpha, beta = fit_per_op(fastest_per_size(ops))
+        alpha, beta = fit_per_op(median_per_size(ops))
 
         # Timing noise (preemption, the other ranks' load) only ever slows a step down: of each kind
         # of step the fastest backward is the one measured.
@@ -228,7 +233,8 @@ class AutoGroup:
             "slowdown": self.slowdown,
             "source": self.source,
             "predicted_exposed_comm_s": self.predicted_exposed_s,
-            "measured_exposed_comm_s": (self.sum_exposed_after_s / self.steps_after if self.steps_after else None),
+            "measured_exposed_comm_s": (self.sum_exposed_after_s / self.steps_after
+                                        if self.steps_after else None),
             "steps_since_choice": self.steps_after,
             "predictions_s": dict(self.predictions),
         }
@@ -239,7 +245,8 @@ class AutoGroup:
             return None
         return {"layers_per_group": self.chosen, "predicted_exposed_comm_s": self.predicted_exposed_s,
                 "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
-                "contention": self.contention, "slowdown": self.slowdown, "predictions_s": dict(self.predictions), "source": self.source}
+                "contention": self.contention, "slowdown": self.slowdown,
+                "predictions_s": dict(self.predictions), "source": self.source}
 
     def restore(self, d: Dict[str, Any]) -> None:
         g = d.get("layers_per_group")
@@ -258,12 +265,12 @@ class AutoGroup:
         self.pending = None
 
 
-def fastest_per_size(ops: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
-    """``(bytes, the least seconds seen at that size)`` for every distinct size in ``ops``."""
-    best: Dict[float, float] = {}
+def median_per_size(ops: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """``(bytes, the median seconds seen at that size)`` for every distinct size in ``ops``."""
+    by: Dict[float, List[float]] = {}
     for b, t in ops:
-        best[b] = min(t, best.get(b, math.inf))
-    return sorted(best.items())
+        by.setdefault(b, []).append(t)
+    return sorted((b, statistics.median(ts)) for b, ts in by.items())
 
 
 def op_seconds_python(launches: List[Tuple[float, float]]) -> List[float]:

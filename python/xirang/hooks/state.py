@@ -153,7 +153,8 @@ class BF16ErrorFeedbackState(Checkpointing):
         if not isinstance(min_compress_numel, int) or min_compress_numel < 1:
             raise ValueError(f"min_compress_numel must be an int >= 1, got {min_compress_numel!r}")
         self.layers_per_group: Union[int, None, str] = layers_per_group
-        self._auto: Optional[AutoGroup] = AutoGroup(auto_calibration_steps) if layers_per_group == "auto" else None
+        self._auto: Optional[AutoGroup] = (AutoGroup(auto_calibration_steps) if layers_per_group == "auto"
+                                           else None)
         self.min_compress_numel = min_compress_numel
         self.error_feedback = bool(error_feedback)
         self.measure_readiness = bool(measure_readiness)
@@ -207,7 +208,8 @@ class BF16ErrorFeedbackState(Checkpointing):
         if self.measure_readiness:
             for key, s in self._slots.items():
                 if hasattr(s.param, "register_post_accumulate_grad_hook"):
-                    self._ready_handles.append(s.param.register_post_accumulate_grad_hook(_ReadyMark(self, key)))
+                    self._ready_handles.append(
+                        s.param.register_post_accumulate_grad_hook(_ReadyMark(self, key)))
         self._backend = None
         if dist.is_available() and dist.is_initialized():
             self._resolve_backend()
@@ -456,7 +458,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             elif step.layer_t is not None:
                 a.seen_steps += 1
                 if a.seen_steps > 1:  # DDP's first synced step (one big bucket) is not measured
-                    a.pending = {"step": step, "groups": [g for g, _ in launched], "group_size": self._auto_lpg,
+                    a.pending = {"step": step, "groups": [g for g, _ in launched],
+                                 "group_size": self._auto_lpg,
                                  "t_end": self._t_last_hook_return, "exposed_s": self._exposed_s}
 
     # -- layers_per_group="auto" ------------------------------------------------------------
@@ -507,13 +510,16 @@ class BF16ErrorFeedbackState(Checkpointing):
             r = recs.get(step.groups[g.index].seq)
             if r is None:
                 from_records = False
-            op = (self._bytes_of(g.slots), float(r["total_s"]) if r is not None else t_py)
+            # The queue's cost of the operation: its Python-side service time (the backend's
+            # work plus the hook's completion callbacks on the communication thread and their
+            # waits for the GIL, which hold up the next operation too), at least its record's.
+            op = (self._bytes_of(g.slots), max(t_py, float(r["total_s"])) if r is not None else t_py)
             ops.append(op)
             if step.groups[g.index].t_done - op[1] >= t_end:  # started after backward's end
                 after.append(op)
             elif step.groups[g.index].t_done <= t_end:  # ran beside backward all along
                 beside.append(op)
-        src = "records" if from_records else "python"
+        src = "records+python" if from_records else "python"
         self._auto.source = src if self._auto.source in (None, src) else "python"
         layer_t: List[Optional[float]] = [None] * self._n_layers
         for layer, t in step.layer_t.items():
@@ -547,9 +553,11 @@ class BF16ErrorFeedbackState(Checkpointing):
         exposed_cal = statistics.median([s.exposed_s for s in a.samples])
         log.info("xirang hook: layers_per_group='auto' chose %d layers per group (%s; predicted exposed "
                  "communication %.3f ms; fit over %d operations of %d steps (%s): alpha %.1f us per "
-                 "operation, beta %.3g s/B, contention %.2f, slowdown beside backward %.2f; measured exposed at calibration %.3f ms). "
+                 "operation, beta %.3g s/B, contention %.2f, slowdown beside backward %.2f; measured "
+                 "exposed at calibration %.3f ms). "
                  "Predicted exposed ms by layers per group: %s", g, who, pred * 1e3, n_ops, len(a.samples),
-                 a.source, m["alpha"] * 1e6, m["beta"], m["contention"], m["slowdown"], exposed_cal * 1e3, cands)
+                 a.source, m["alpha"] * 1e6, m["beta"], m["contention"], m["slowdown"], exposed_cal * 1e3,
+                 cands)
         self._regroup(g)
 
     # -- stats ------------------------------------------------------------------------------
@@ -574,9 +582,9 @@ class BF16ErrorFeedbackState(Checkpointing):
         ``autogroup``: None unless ``layers_per_group="auto"``; then ``decided``,
         ``layers_per_group`` (the choice, None while calibrating), ``calibration_steps`` and
         ``calibration_steps_measured``, ``restored`` (from a checkpoint), ``alpha_s`` (s per
-        operation), ``beta_s_per_byte``, ``contention`` (0..1), ``slowdown`` (>= 1), ``source`` ("records" or
-        "python"), ``predicted_exposed_comm_s`` (rank 0's, for the choice), ``measured_exposed_comm_s``
-        (mean ``exposed_comm_s`` of the steps since the choice), ``steps_since_choice`` and
+        operation), ``beta_s_per_byte``, ``contention`` (0..1), ``slowdown`` (>= 1), ``source``
+        ("records+python" or "python"), ``predicted_exposed_comm_s`` (rank 0's, for the choice),
+        ``measured_exposed_comm_s`` (mean ``exposed_comm_s`` of the steps since the choice), ``steps_since_choice`` and
         ``predictions_s`` (g -> predicted s, this rank's). After a regroup the per-group figures
         start again with the new groups.
         """
