@@ -31,7 +31,9 @@ Cost model (alpha-beta; Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009
 - per-launch overhead per collective; BF16 halves bytes on the wire and adds a codec pass.
 - timeline: layers finish backward one by one; a group's collectives may start when its last layer
   is done and the link is free (collectives run one at a time, FIFO). Exposed comm = what runs past
-  the end of backward. Communication does not slow compute (no contention for SMs/memory).
+  the end of backward. Communication does not slow compute (no contention for SMs/memory); the
+  FIFO queue (timeline.serial_queue) can slow collectives that run beside backward by a factor,
+  which the comm hook's layers_per_group="auto" measures on CPU tensors (hooks/autogroup.py).
 
 Modules: ``model`` (inputs), ``cost`` (one allreduce), ``timeline`` (one configuration's step),
 ``args`` (the command line's flags), ``paper``, ``recommend``, ``calibrate`` (the modes), ``cli``.
