@@ -4,6 +4,8 @@
     python3 benchmarks/ddp_step.py                              # WS 2 and 4, 30 timed steps per config
     python3 benchmarks/ddp_step.py --ws 2 --steps 20 --markdown --json /tmp/ddp.json
     python3 benchmarks/ddp_step.py --configs gloo,xirang,xirang_hook --blocks 32 --width 512
+    python3 benchmarks/ddp_step.py --ws 2 --sweep-groups              # layers_per_group auto vs 1,2,4,8,16
+    python3 benchmarks/ddp_step.py --ws 2 --sweep-groups --model gpt2 --blocks 12 --width 128
 
 One self-spawning job per world size (torch.multiprocessing, spawn, a free port on 127.0.0.1,
 bounded by --timeout). Every rank calls torch.set_num_threads(1), creates a xirang default
@@ -21,9 +23,24 @@ per configuration, each from the same seed (identical initial weights, identical
     gloo_powersgd   gloo + torch's powerSGD_hook, matrix_approximation_rank=4,
                     start_powerSGD_iter=2 (compressing from the first step after warmup)
     xirang_fp16     xirang + fp16_compress_hook (torch's hook over xirang's plain allreduce)
+    xirang_hook_gK  the hook with layers_per_group=K and bucket_cap_mb=--hook-bucket-cap-mb
+    xirang_hook_auto  the same with layers_per_group="auto" (calibrated and chosen during warmup)
 
-Model: --blocks x [Linear(width, width) -> LayerNorm -> GELU] with residual connections, a
-ModuleList of blocks (the hook's default layers = the blocks), MSE loss, SGD, batch --batch.
+--sweep-groups runs xirang_hook_g1, _g2, _g4, _g8, _g16 and xirang_hook_auto side by side (no gloo
+reference) and prints, after the usual table, one more: step ms, exposed comm ms, the ratio of
+each step time to the best fixed size's, and auto's choice with its predicted and measured exposed
+communication (the hook's stats()["autogroup"], rank 0). Warmup must cover auto's calibration
+(DDP's first step + 4 measured; the choice is applied at the 6th synced step): >= 6, the default
+when an auto config runs.
+
+Model: --model stack (default): --blocks x [Linear(width, width) -> LayerNorm -> GELU] with
+residual connections, a ModuleList of blocks (the hook's default layers = the blocks), MSE loss,
+SGD, batch --batch. --model gpt2: GPT-2's shape (HF GPT2LMHeadModel's module tree:
+transformer.{wte, wpe, h.i = ln_1, attn.c_attn (d x 3d), attn.c_proj, ln_2, mlp.c_fc (d x 4d),
+mlp.c_proj}, ln_f, lm_head tied to wte) with d = --width, --blocks blocks, --heads heads, a
+vocabulary of --vocab (default 50257 x d / 768, so the embedding keeps GPT-2 small's share of the
+parameters), --batch sequences of --seq tokens, next-token cross-entropy; the hook's default
+layers: wte, wpe, h.0 .. h.N-1, ln_f. GPT-2 small itself is --blocks 12 --width 768 --heads 12.
 Measurement: the configurations take turns in --rounds rounds (the order rotates each round);
 within a round a configuration runs its steps alternating a synchronised step and a step of the
 same replica under ddp.no_sync() (no communication). Before every timed step all ranks meet at a
@@ -93,9 +110,72 @@ def quartiles(xs):
 
 
 # ---------------------------------------------------------------- model
-def make_model(blocks: int, width: int):
+def make_gpt2(blocks: int, width: int, heads: int, vocab: int, seq: int):
+    """GPT-2's module tree (HF GPT2LMHeadModel's names) at width d = `width`; input token ids
+    [B, T] (T <= seq), output logits [B, T, vocab]."""
     import torch
     from torch import nn
+
+    d = width
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn = nn.Linear(d, 3 * d)
+            self.c_proj = nn.Linear(d, d)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = self.c_attn(x).split(d, dim=2)
+            q, k, v = (t.view(B, T, heads, d // heads).transpose(1, 2) for t in (q, k, v))
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).reshape(B, T, d))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc = nn.Linear(d, 4 * d)
+            self.c_proj = nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return self.c_proj(nn.functional.gelu(self.c_fc(x)))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.attn, self.ln_2, self.mlp = nn.LayerNorm(d), Attn(), nn.LayerNorm(d), MLP()
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class GPT2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer = nn.Module()
+            self.transformer.wte = nn.Embedding(vocab, d)
+            self.transformer.wpe = nn.Embedding(seq, d)
+            self.transformer.h = nn.ModuleList(Block() for _ in range(blocks))
+            self.transformer.ln_f = nn.LayerNorm(d)
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+            self.lm_head.weight = self.transformer.wte.weight
+
+        def forward(self, idx):
+            t = self.transformer
+            x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1]))
+            for b in t.h:
+                x = b(x)
+            return self.lm_head(t.ln_f(x))
+
+    return GPT2()
+
+
+def make_model(blocks: int, width: int, kind: str = "stack", heads: int = 4, vocab: int = 0, seq: int = 64):
+    import torch
+    from torch import nn
+
+    if kind == "gpt2":
+        return make_gpt2(blocks, width, heads, vocab, seq)
 
     class Block(nn.Module):
         def __init__(self):
@@ -140,19 +220,22 @@ class Config:
         self.backend = backend
         self.pg = groups[backend]
         torch.manual_seed(cfg["seed"])
-        model = make_model(cfg["blocks"], cfg["width"])
+        self.kind = cfg["model"]
+        model = make_model(cfg["blocks"], cfg["width"], cfg["model"], cfg["heads"], cfg["vocab"], cfg["seq"])
         kw = {}
-        if name == "xirang_hook_bc":
+        sweep = sweep_size(name)
+        if name == "xirang_hook_bc" or sweep is not None:
             kw["bucket_cap_mb"] = cfg["hook_bucket_cap_mb"]
         if name == "gloo_powersgd" and cfg["powersgd_bucket_cap_mb"] > 0:
             # explicit cap: no small first bucket, one bucket for the whole model (see --help)
             kw["bucket_cap_mb"] = cfg["powersgd_bucket_cap_mb"]
         self.ddp = DDP(model, process_group=None if backend == "xirang" else self.pg, **kw)
-        if name in HOOK_WIRE:
+        if name in HOOK_WIRE or sweep is not None:
             import xirang
 
-            self.hook_state = xirang.register_comm_hook(self.ddp, layers_per_group=cfg["layers_per_group"],
-                                                        wire=HOOK_WIRE[name])
+            lpg = cfg["layers_per_group"] if sweep is None else sweep
+            self.hook_state = xirang.register_comm_hook(self.ddp, layers_per_group=lpg,
+                                                        wire=HOOK_WIRE.get(name, "bf16"))
             self.wire_kind = "measured"
         elif name == "xirang":
             self.wire_kind = "measured"
@@ -183,7 +266,11 @@ class Config:
         t0 = time.perf_counter()
         ctx = contextlib.nullcontext() if sync else self.ddp.no_sync()
         with ctx:
-            loss = torch.nn.functional.mse_loss(self.ddp(x), y)
+            out = self.ddp(x)
+            if self.kind == "gpt2":
+                loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            else:
+                loss = torch.nn.functional.mse_loss(out, y)
             loss.backward()
         self.opt.step()
         dt = time.perf_counter() - t0
@@ -228,8 +315,12 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
         # the same batches for every configuration (different per rank, as in data parallelism)
         g = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
         nb = 8
-        batches = [(torch.randn(cfg["batch"], cfg["width"], generator=g),
-                    torch.randn(cfg["batch"], cfg["width"], generator=g)) for _ in range(nb)]
+        if cfg["model"] == "gpt2":  # token ids and their next tokens
+            toks = [torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g) for _ in range(nb)]
+            batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
+        else:
+            batches = [(torch.randn(cfg["batch"], cfg["width"], generator=g),
+                        torch.randn(cfg["batch"], cfg["width"], generator=g)) for _ in range(nb)]
 
         def agree_failed(err: str | None) -> bool:
             flag = torch.tensor([1.0 if err else 0.0])
@@ -304,7 +395,7 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
         rows = []
         for name, c, reason in confs:
             row = {"ws": ws, "config": name,
-                   "description": DESCR[name].format(bc=cfg["hook_bucket_cap_mb"])}
+                   "description": describe(name, cfg["hook_bucket_cap_mb"])}
             if c is None:
                 row["not_runnable"] = reason
                 rows.append(row)
@@ -348,6 +439,8 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
                                                  for k, d in c.rec_by_op.items()}
             if c.hook_state is not None:
                 try:
+                    row["autogroup"] = c.hook_state.stats()["autogroup"]
+                    row["layers_per_group"] = c.hook_state.group_size()
                     tot = c.hook_state.stats()["totals"]
                     row["hook"] = {k: tot.get(k) for k in ("groups", "launches_per_step", "bytes_wire_per_step",
                                                            "bytes_raw_per_step", "mean_exposed_comm_s",
@@ -447,6 +540,60 @@ def markdown(rows: list) -> str:
     return "\n".join(out)
 
 
+SWEEP = [1, 2, 4, 8, 16]
+
+
+def sweep_size(name: str):
+    """layers_per_group of a xirang_hook_gK / xirang_hook_auto config; None for another name."""
+    if name == "xirang_hook_auto":
+        return "auto"
+    if name.startswith("xirang_hook_g") and name[len("xirang_hook_g"):].isdigit() and int(name[len("xirang_hook_g"):]) > 0:
+        return int(name[len("xirang_hook_g"):])
+    return None
+
+
+def describe(name: str, bc: float) -> str:
+    k = sweep_size(name)
+    if k is not None:
+        return f"xirang + BF16 EF hook, layers_per_group={k!s}, bucket_cap_mb={bc}"
+    return DESCR[name].format(bc=bc)
+
+
+def sweep_table(rows: list) -> str:
+    """auto vs the fixed sizes, per WS: step ms, exposed comm ms (step - local), step / best fixed."""
+    out = []
+    for ws in sorted({r["ws"] for r in rows}):
+        rs = [r for r in rows if r["ws"] == ws and sweep_size(r["config"]) is not None and "step_ms" in r]
+        fixed = [r for r in rs if sweep_size(r["config"]) != "auto"]
+        if not fixed:
+            continue
+        best = min(fixed, key=lambda r: r["step_ms"])
+        hdr = (f"{'WS':>2} {'layers/group':<14} | {'step ms':>8} {'iqr':>6} {'exposed comm ms':>15} | "
+               f"{'step / best fixed':>17} | {'groups':>6}")
+        out += [hdr, "-" * len(hdr)]
+        for r in rs:
+            k = sweep_size(r["config"])
+            label = f"auto -> {r.get('layers_per_group')}" if k == "auto" else str(k)
+            out.append(f"{ws:>2} {label:<14} | {r['step_ms']:>8.2f} {r['step_iqr_ms']:>6.2f} "
+                       f"{r['exposed_comm_ms']:>15.2f} | {r['step_ms'] / best['step_ms']:>17.3f} | "
+                       f"{r.get('hook', {}).get('groups', '-')!s:>6}")
+        out.append(f"best fixed: layers_per_group={sweep_size(best['config'])} ({best['step_ms']:.2f} ms)")
+        for r in rs:
+            a = r.get("autogroup")
+            if sweep_size(r["config"]) == "auto" and a:
+                pred = a.get("predicted_exposed_comm_s")
+                meas = a.get("measured_exposed_comm_s")
+                preds = a.get("predictions_s") or {}
+                out.append(f"auto (rank 0): chose {a.get('layers_per_group')}; alpha {1e6 * (a.get('alpha_s') or 0):.1f} us"
+                           f"/op, beta {a.get('beta_s_per_byte') or 0:.3g} s/B ({a.get('source')}), contention "
+                           f"{a.get('contention') or 0:.2f}, slowdown {a.get('slowdown') or 1:.2f}; predicted exposed "
+                           f"{1e3 * pred if pred is not None else float('nan'):.3f} ms, hook-measured "
+                           f"{1e3 * meas if meas is not None else float('nan'):.3f} ms")
+                out.append("  predicted exposed ms by layers/group: "
+                           + ", ".join(f"{g}: {1e3 * v:.2f}" for g, v in sorted(preds.items())))
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -454,11 +601,19 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=",".join(ALL_CONFIGS), help=f"subset of {','.join(ALL_CONFIGS)}")
     ap.add_argument("--steps", type=int, default=30, help="timed synchronised steps per config (>= 20 for the table)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds the steps are split into, configs rotating")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed synchronised steps per config first (>= 3)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed synchronised steps per config first (>= 3; >= 6 with auto; default 5, 6 with auto)")
     ap.add_argument("--blocks", type=int, default=24)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--layers-per-group", type=int, default=8)
+    ap.add_argument("--model", choices=("stack", "gpt2"), default="stack", help="see Model above (default stack)")
+    ap.add_argument("--heads", type=int, default=4, help="--model gpt2: attention heads (width must divide)")
+    ap.add_argument("--vocab", type=int, default=0, help="--model gpt2: vocabulary (default 50257 x width / 768)")
+    ap.add_argument("--seq", type=int, default=64, help="--model gpt2: tokens per sequence (default 64)")
+    ap.add_argument("--layers-per-group", default="8", help="the xirang_hook configs' size: an int or auto (default 8)")
+    ap.add_argument("--sweep-groups", action="store_true",
+                    help="run xirang_hook_g1,_g2,_g4,_g8,_g16 and xirang_hook_auto (bucket_cap_mb=--hook-bucket-cap-mb) "
+                         "and print the auto-vs-fixed table")
     ap.add_argument("--hook-bucket-cap-mb", type=float, default=0.25,
                     help="bucket_cap_mb of the xirang_hook_bc config (default 0.25)")
     ap.add_argument("--powersgd-bucket-cap-mb", type=float, default=25,
@@ -473,19 +628,40 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table (for the README)")
     a = ap.parse_args(argv)
 
-    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
-    bad = [c for c in configs if c not in ALL_CONFIGS]
+    if a.sweep_groups:
+        configs = [f"xirang_hook_g{k}" for k in SWEEP] + ["xirang_hook_auto"]
+    else:
+        configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in ALL_CONFIGS and sweep_size(c) is None]
     if bad:
-        ap.error(f"unknown configs {bad}; choose from {ALL_CONFIGS}")
-    if "gloo" not in configs:
+        ap.error(f"unknown configs {bad}; choose from {ALL_CONFIGS}, xirang_hook_gK, xirang_hook_auto")
+    if "gloo" not in configs and not a.sweep_groups:
         configs.insert(0, "gloo")  # the reference of the ratios
+    if a.layers_per_group != "auto":
+        try:
+            a.layers_per_group = int(a.layers_per_group)
+        except ValueError:
+            ap.error(f"--layers-per-group must be a positive int or auto, got {a.layers_per_group!r}")
+        if a.layers_per_group < 1:
+            ap.error(f"--layers-per-group must be a positive int or auto, got {a.layers_per_group!r}")
+    if a.model == "gpt2":
+        a.vocab = a.vocab or max(2, round(50257 * a.width / 768))
+        if a.width % a.heads:
+            ap.error(f"--width ({a.width}) must be a multiple of --heads ({a.heads})")
     wss = [int(x) for x in a.ws.split(",") if x.strip()]
     if not wss or min(wss) < 2:
         ap.error("--ws: world sizes must be >= 2")
+    uses_auto = "xirang_hook_auto" in configs or (
+        a.layers_per_group == "auto" and any(c in ("xirang_hook", "xirang_hook_bc") for c in configs))
+    if a.warmup is None:
+        a.warmup = 6 if uses_auto else 5
     if a.warmup < 3:
         ap.error("--warmup must be >= 3 (DDP rebuilds buckets after the first step; PowerSGD starts at 2)")
+    if uses_auto and a.warmup < 6:
+        ap.error("--warmup must be >= 6 with layers_per_group auto (its calibration: DDP's first step + 4)")
     cfg = {"configs": configs, "steps": a.steps, "rounds": a.rounds, "warmup": a.warmup, "blocks": a.blocks,
            "width": a.width, "batch": a.batch, "layers_per_group": a.layers_per_group,
+           "model": a.model, "heads": a.heads, "vocab": a.vocab, "seq": a.seq,
            "hook_bucket_cap_mb": a.hook_bucket_cap_mb,
            "powersgd_bucket_cap_mb": a.powersgd_bucket_cap_mb, "lr": a.lr, "seed": a.seed,
            "timeout": a.timeout, "op_timeout": a.op_timeout}
@@ -493,7 +669,11 @@ def main(argv=None) -> int:
     print(f"# xirang DDP step benchmark: {info.get('cpu', '?')}, {info['cpus']} CPUs, load "
           f"{tuple(round(x, 2) for x in info.get('loadavg', ()))}, torch {info.get('torch')}, "
           f"env {info['env'] or '{}'}")
-    print(f"# model: {a.blocks} x [Linear({a.width},{a.width}) + LayerNorm + GELU, residual], batch {a.batch},"
+    shape = (f"{a.blocks} x [Linear({a.width},{a.width}) + LayerNorm + GELU, residual], batch {a.batch}"
+             if a.model == "stack" else
+             f"GPT-2-shaped: {a.blocks} blocks, d={a.width}, {a.heads} heads, vocab {a.vocab} (tied head), "
+             f"{a.batch} x {a.seq} tokens")
+    print(f"# model: {shape},"
           f" SGD; torch.set_num_threads(1) per rank; {a.steps} timed steps + as many no_sync steps per"
           f" config in {a.rounds} rotating rounds, after {a.warmup} warmup steps; seed {a.seed}")
     print(f"# NOTE {NOTE}")
@@ -514,6 +694,8 @@ def main(argv=None) -> int:
         all_rows.extend(rows)
         print(f"# WS={ws} done in {time.monotonic() - t0:.0f} s", flush=True)
         print(text_table(rows), flush=True)
+        if a.sweep_groups:
+            print(sweep_table(rows), flush=True)
     if infos.get("params"):
         print(f"# model parameters: {infos['params']} ({fmt_bytes(infos['param_bytes'])} fp32)")
     if a.markdown and all_rows:

@@ -550,10 +550,53 @@ def sc_torch_hook(rank, ws, hooks, out, cfg):
     torch.save(rec, os.path.join(out, f"rank{rank}.pt"))
 
 
+class DirectBlocks(nn.Module):
+    """A ModuleList of :class:`Direct` blocks (the default layers: one per block); loss = sum(W * X),
+    so every gradient is exactly its input."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(Direct(shapes) for shapes in blocks)
+
+    def forward(self, xs):
+        it = iter(xs)
+        return sum((w * next(it)).sum() for b in self.blocks for w in b.ws)
+
+
+def sc_auto(rank, ws, hooks, out, cfg):
+    """layers_per_group="auto" on DirectBlocks with controlled gradients: per step the inputs,
+    outputs, residuals and group count; the choice, the stats and the state_dict at the end."""
+    blocks = cfg["blocks"]
+    shapes = [s for b in blocks for s in b]
+    model = DirectBlocks(blocks)
+    ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb", 0.004))
+    state = hooks.register_comm_hook(ddp, layers_per_group="auto", **cfg.get("state_kw", {}))
+    rec = {"steps": []}
+    sum_x = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    sum_y = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+    for step in range(cfg["steps"]):
+        xs = make_inputs(cfg, step, rank, shapes)
+        ddp(xs).backward()
+        ys = [p.grad.detach().clone() for p in model.parameters()]
+        for a, x in zip(sum_x, xs):
+            a += x.double()
+        for a, y in zip(sum_y, ys):
+            a += y.double()
+        rec["steps"].append({"x": xs, "y": ys, "n_groups": len(state.groups), "group_size": state.group_size(),
+                             "y_hash": [hash_t(y) for y in ys]})
+        model.zero_grad(set_to_none=True)
+    rec["sum_x"], rec["sum_y"] = sum_x, sum_y
+    rec["res"] = {k: v.clone() for k, v in state.residuals.items()}
+    rec["names"] = [n for n, _ in model.named_parameters()]
+    rec["stats"] = state.stats()
+    rec["state_dict"] = state.state_dict()
+    torch.save(rec, os.path.join(out, f"rank{rank}.pt"))
+
+
 SCENARIOS = {
     "train": sc_train, "direct": sc_direct, "inf_skip": sc_inf_skip, "join": sc_join,
     "no_sync": sc_no_sync, "ckpt": sc_ckpt, "digits": sc_digits, "delay": sc_delay,
-    "torch_hook": sc_torch_hook,
+    "torch_hook": sc_torch_hook, "auto": sc_auto,
 }
 
 

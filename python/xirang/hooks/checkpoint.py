@@ -22,10 +22,13 @@ class Checkpointing:
         """This rank's residuals (fqn -> fp32 tensor, cloned) and counters; no process group.
 
         Every rank saves its own. Keys: ``version``, ``world_size``, ``ring_order``,
-        ``layers_per_group``, ``min_compress_numel``, ``error_feedback``, ``wire``, ``steps``,
-        ``skipped_steps``, ``residuals``. A residual is the rounding error still owed to the
-        sum, whatever the format that made it: loading one saved under another ``wire`` keeps
-        the error-feedback invariant.
+        ``layers_per_group`` (the setting: an int, None or ``"auto"``), ``autogroup`` (with
+        ``"auto"``, once chosen: ``{"layers_per_group": g, "predicted_exposed_comm_s",
+        "alpha_s", "beta_s_per_byte", "predictions_s", "source"}``; else None),
+        ``min_compress_numel``, ``error_feedback``, ``wire``, ``steps``, ``skipped_steps``,
+        ``residuals``. A residual is the rounding error still owed to the sum, whatever the
+        format that made it: loading one saved under another ``wire`` keeps the error-feedback
+        invariant.
         """
         res = {k: v.detach().clone() for k, v in self.residuals.items()}
         if self._pending_residuals is not None and not res:
@@ -35,6 +38,7 @@ class Checkpointing:
             "world_size": self.world_size,
             "ring_order": list(self.ring_order) if self.ring_order is not None else None,
             "layers_per_group": self.layers_per_group,
+            "autogroup": self._auto.to_dict() if self._auto is not None else None,
             "min_compress_numel": self.min_compress_numel,
             "error_feedback": self.error_feedback,
             "wire": self.wire,
@@ -50,10 +54,17 @@ class Checkpointing:
         residual belongs to the hops its rank made). Residuals of parameters that are not
         compressed here are ignored with a warning; a shape mismatch raises ``ValueError``.
         Before the process group is known (no hook call yet, or an unpickled state) the
-        residuals are kept and applied once it is.
+        residuals are kept and applied once it is. A ``layers_per_group="auto"`` state takes the
+        saved choice (``autogroup``) and regroups to it without calibrating again; a state with a
+        fixed size keeps its own (residuals are keyed by parameter name, so any grouping loads).
         """
         if sd.get("version") != STATE_DICT_VERSION:
             raise ValueError(f"unsupported hook state_dict version {sd.get('version')!r}")
+        ag = sd.get("autogroup")
+        if self._auto is not None and ag is not None:
+            self._auto.restore(ag)
+            if self._root is not None:
+                self._build_groups(self._root, self._ddp, warn=False)
         self.steps = int(sd.get("steps", 0))
         self.skipped_steps = int(sd.get("skipped_steps", 0))
         meta = {"world_size": sd.get("world_size"), "ring_order": sd.get("ring_order")}
@@ -81,6 +92,19 @@ class Checkpointing:
                 stacklevel=3,
             )
             return
+        unknown = self._put_residuals(residuals)
+        if unknown:
+            warnings.warn(
+                f"ignored residuals of parameters not compressed by this state: {unknown[:5]}"
+                + (" ..." if len(unknown) > 5 else ""),
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _put_residuals(self, residuals: Dict[str, torch.Tensor]) -> list:
+        """Copy each ``fqn -> tensor`` residual into its parameter's slot of its group's residual
+        (allocated as zeros if needed); returns the names that have no compressed slot here.
+        ``ValueError`` for an element count that is not the parameter's."""
         by_fqn = {s.fqn: s for s in self._slots.values()}
         unknown = []
         for fqn, t in residuals.items():
@@ -96,13 +120,7 @@ class Checkpointing:
             if g.residual is None:
                 g.residual = torch.zeros(g.ef_numel, dtype=torch.float32)
             g.residual[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
-        if unknown:
-            warnings.warn(
-                f"ignored residuals of parameters not compressed by this state: {unknown[:5]}"
-                + (" ..." if len(unknown) > 5 else ""),
-                UserWarning,
-                stacklevel=3,
-            )
+        return unknown
 
     def __getstate__(self) -> Dict[str, Any]:
         return {
@@ -111,6 +129,7 @@ class Checkpointing:
             "error_feedback": self.error_feedback,
             "wire": self.wire,
             "measure_readiness": self.measure_readiness,
+            "auto_calibration_steps": self._auto.calibration_steps if self._auto is not None else None,
             "state_dict": self.state_dict(),
         }
 
@@ -121,6 +140,11 @@ class Checkpointing:
         self.error_feedback = d["error_feedback"]
         self.wire = d.get("wire", "bf16")  # states pickled before fp16 / int8 existed
         self.measure_readiness = d["measure_readiness"]
+        self._auto = None
+        if self.layers_per_group == "auto":
+            from .autogroup import CALIBRATION_STEPS, AutoGroup  # noqa: PLC0415
+
+            self._auto = AutoGroup(d.get("auto_calibration_steps") or CALIBRATION_STEPS)
         self._user_layers = None
         self.process_group = None
         self._init_runtime()

@@ -3,7 +3,7 @@
 No ``from __future__ import annotations`` here: DDP checks the hook's annotations
 (``bucket: dist.GradBucket``) as objects.
 """
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -53,13 +53,15 @@ def bf16_error_feedback_hook(
 
 def register_comm_hook(
     ddp_model: nn.parallel.DistributedDataParallel,
-    layers_per_group: Optional[int] = 8,
+    layers_per_group: Union[int, None, str] = 8,
     **kwargs: Any,
 ) -> BF16ErrorFeedbackState:
     """Build a :class:`BF16ErrorFeedbackState` for ``ddp_model`` and register the hook.
 
-    ``kwargs`` go to the state (``wire``, ``layers``, ``min_compress_numel``, ``process_group``,
-    ``error_feedback``, ...).
+    ``layers_per_group``: an int, ``None`` (one group) or ``"auto"`` (measured and chosen during
+    the first synced steps, see :mod:`xirang.hooks.autogroup`). ``kwargs`` go to the state
+    (``wire``, ``layers``, ``min_compress_numel``, ``process_group``, ``error_feedback``,
+    ``auto_calibration_steps``, ...).
     Must be called before the first backward. Returns the state (keep it for ``stats()`` and
     checkpoints).
     """

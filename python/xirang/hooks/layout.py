@@ -16,9 +16,9 @@ from .layers import default_layers, warn_if_coarse
 class Slot:
     """Where one parameter's gradient lives in its group's packed buffers."""
 
-    __slots__ = ("fqn", "param", "group", "kind", "dtype", "offset", "numel", "order", "view")
+    __slots__ = ("fqn", "param", "group", "kind", "dtype", "offset", "numel", "order", "layer", "view")
 
-    def __init__(self, fqn, param, group, kind, dtype, offset, numel, order):
+    def __init__(self, fqn, param, group, kind, dtype, offset, numel, order, layer=-1):
         self.fqn = fqn
         self.param = param
         self.group = group
@@ -27,6 +27,7 @@ class Slot:
         self.offset = offset
         self.numel = numel
         self.order = order  # index in root.named_parameters()
+        self.layer = layer  # position among the layers with parameters; -1: in no layer
         self.view: Optional[torch.Tensor] = None  # [numel] view of its group buffer (ensure_buffers)
 
 
@@ -103,13 +104,15 @@ def check_sparse(root: nn.Module, ddp) -> None:
 
 
 def build_groups(root: nn.Module, ddp, user_layers: Optional[Sequence[nn.Module]],
-                 layers_per_group: Optional[int], min_compress_numel: int) -> Tuple[Dict[int, Slot], List[Group]]:
+                 layers_per_group: Optional[int], min_compress_numel: int,
+                 warn: bool = True) -> Tuple[Dict[int, Slot], List[Group]]:
     """The layer groups of ``root`` and every trained parameter's slot (keyed by ``id(param)``).
 
     Parameters DDP ignores or that do not require grad get no slot. A tied parameter belongs to
     the first layer holding it; parameters in no layer form one extra group, the last. fp32
     tensors with ``ndim >= 2`` and at least ``min_compress_numel`` elements are compressed
-    ("ef"), the rest packed per dtype ("plain").
+    ("ef"), the rest packed per dtype ("plain"). ``warn``: log :func:`warn_if_coarse`'s warning
+    when the default layers are too coarse (off for a rebuild of the same model).
     """
     ignore = set(getattr(root, "_ddp_params_and_buffers_to_ignore", ()) or ())
     if ddp is not None:
@@ -151,7 +154,7 @@ def build_groups(root: nn.Module, ddp, user_layers: Optional[Sequence[nn.Module]
         group_members.append(([mod_names.get(id(m), type(m).__name__) for m in ls], ps))
     if rest:
         group_members.append((["<params in no layer>"], rest))
-    if user_layers is None and layers_per_group is not None:
+    if warn and user_layers is None and layers_per_group is not None:
         warn_if_coarse(layer_list, layer_params, len(group_members), mod_names)
 
     slots: Dict[int, Slot] = {}
@@ -166,11 +169,13 @@ def build_groups(root: nn.Module, ddp, user_layers: Optional[Sequence[nn.Module]
                 and p.numel() >= min_compress_numel
             )
             if compress:
-                s = Slot(names[id(p)], p, g, "ef", p.dtype, g.ef_numel, p.numel(), order[id(p)])
+                s = Slot(names[id(p)], p, g, "ef", p.dtype, g.ef_numel, p.numel(), order[id(p)],
+                         owner.get(id(p), -1))
                 g.ef_numel += p.numel()
             else:
                 off = g.plain_numel.get(p.dtype, 0)
-                s = Slot(names[id(p)], p, g, "plain", p.dtype, off, p.numel(), order[id(p)])
+                s = Slot(names[id(p)], p, g, "plain", p.dtype, off, p.numel(), order[id(p)],
+                         owner.get(id(p), -1))
                 g.plain_numel[p.dtype] = off + p.numel()
             g.slots.append(s)
             slots[id(p)] = s

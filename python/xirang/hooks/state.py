@@ -6,17 +6,22 @@ gradient.
 """
 from __future__ import annotations
 
+import logging
+import statistics
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .autogroup import CALIBRATION_STEPS, AutoGroup, StepSample, op_seconds_python
 from .checkpoint import Checkpointing
 from .layout import Group, Slot, build_groups, check_sparse
 from .stats import hook_stats
+
+log = logging.getLogger("xirang")
 
 #: Smallest fp32 matrix (elements) that goes through the compressed ring. Smaller tensors and
 #: every 1-D tensor (biases, norm scales) go through the plain ring in their own dtype: they are
@@ -52,7 +57,7 @@ def _backend_for(process_group: Optional[dist.ProcessGroup]) -> Any:
 class _GroupStep:
     """One group's progress within one synced step."""
 
-    __slots__ = ("arrived", "done", "t_first", "t_ready", "t_launch", "finite", "launched")
+    __slots__ = ("arrived", "done", "t_first", "t_ready", "t_launch", "t_done", "seq", "finite", "launched")
 
     def __init__(self):
         self.arrived = 0
@@ -60,15 +65,20 @@ class _GroupStep:
         self.t_first: Optional[float] = None
         self.t_ready: Optional[float] = None
         self.t_launch: Optional[float] = None
+        self.t_done: Optional[float] = None
+        self.seq: Optional[int] = None  # the backend operation's sequence number (calibration only)
         self.finite = True
         self.launched = False
 
 
 class _Step:
-    def __init__(self, n_groups: int):
+    def __init__(self, n_groups: int, calibrating: bool = False):
         self.groups = [_GroupStep() for _ in range(n_groups)]
         self.arrived_ids: set = set()
         self.t_first: Optional[float] = None
+        # layers_per_group="auto" while calibrating: layer position (-1: params in no layer) ->
+        # perf_counter time of the hook call that handed its last gradient so far.
+        self.layer_t: Optional[Dict[int, float]] = {} if calibrating else None
 
 
 class BF16ErrorFeedbackState(Checkpointing):
@@ -81,8 +91,16 @@ class BF16ErrorFeedbackState(Checkpointing):
         layers_per_group: consecutive layers per group, i.e. per backend call. Typical: 8
             (a few dozen groups for a large transformer: enough overlap, few launches); 1 reduces
             each layer on its own (most overlap, most launches); ``None`` puts the whole model in
-            one group (no overlap, one launch). A positive ``int`` (``TypeError`` for another type,
-            ``bool`` included; ``ValueError`` below 1).
+            one group (no overlap, one launch); ``"auto"`` measures the first synced steps and
+            picks the size with the least predicted exposed communication, then keeps it (see
+            :mod:`xirang.hooks.autogroup` and ``stats()["autogroup"]``). A positive ``int``,
+            ``None`` or ``"auto"`` (``TypeError`` for another type, ``bool`` included;
+            ``ValueError`` below 1 or for another string).
+        auto_calibration_steps: with ``layers_per_group="auto"``: synced steps measured after
+            DDP's first one before choosing (an int >= 2, default 4; one layer
+            per group and all layers in one group, alternating). The choice is made, agreed
+            (group rank 0 decides, a broadcast over ``process_group``) and applied at the first
+            hook call of the step after them, on every rank.
         layers: override of the layer list (modules, in the order they count). Default:
             :func:`default_layers` (one layer per block: GPT-2's ``transformer.h.i``, Llama's
             ``model.layers.i``, BERT's ``encoder.layer.i``, a ResNet's ``layerK.j``, ...). A tied
@@ -140,18 +158,26 @@ class BF16ErrorFeedbackState(Checkpointing):
         error_feedback: bool = True,
         measure_readiness: bool = True,
         wire: str = "bf16",
+        auto_calibration_steps: int = CALIBRATION_STEPS,
     ):
-        if layers_per_group is not None:
+        if isinstance(layers_per_group, str):
+            if layers_per_group != "auto":
+                raise ValueError(f"layers_per_group must be a positive int or None (or 'auto'), got "
+                                 f"{layers_per_group!r}")
+        elif layers_per_group is not None:
             if isinstance(layers_per_group, bool) or not isinstance(layers_per_group, int):
-                raise TypeError(f"layers_per_group must be a positive int or None, got "
+                raise TypeError(f"layers_per_group must be a positive int or None (or 'auto'), got "
                                 f"{type(layers_per_group).__name__} {layers_per_group!r}")
             if layers_per_group < 1:
-                raise ValueError(f"layers_per_group must be a positive int or None, got {layers_per_group!r}")
+                raise ValueError(f"layers_per_group must be a positive int or None (or 'auto'), got "
+                                 f"{layers_per_group!r}")
         if wire not in WIRE_BYTES:
             raise ValueError(f"wire must be one of {', '.join(map(repr, WIRE_BYTES))}, got {wire!r}")
         if not isinstance(min_compress_numel, int) or min_compress_numel < 1:
             raise ValueError(f"min_compress_numel must be an int >= 1, got {min_compress_numel!r}")
-        self.layers_per_group = layers_per_group
+        self.layers_per_group: Union[int, None, str] = layers_per_group
+        self._auto: Optional[AutoGroup] = (AutoGroup(auto_calibration_steps) if layers_per_group == "auto"
+                                           else None)
         self.min_compress_numel = min_compress_numel
         self.wire = wire
         self.error_feedback = bool(error_feedback)
@@ -164,7 +190,9 @@ class BF16ErrorFeedbackState(Checkpointing):
     def _init_runtime(self) -> None:
         """Everything but the settings: no model bound, no backend, counters at zero."""
         self._root: Optional[nn.Module] = None
+        self._ddp = None
         self._backend = None
+        self._auto_lpg = 1  # layers per group of the current "auto" calibration step
         self._slots: Dict[int, Slot] = {}
         self._groups: List[Group] = []
         self._expected: set = set()
@@ -199,22 +227,44 @@ class BF16ErrorFeedbackState(Checkpointing):
             h.remove()
         self._ready_handles = []
         self._root = root
+        self._ddp = ddp
         self._build_groups(root, ddp)
+        if self.measure_readiness:
+            for key, s in self._slots.items():
+                if hasattr(s.param, "register_post_accumulate_grad_hook"):
+                    self._ready_handles.append(
+                        s.param.register_post_accumulate_grad_hook(_ReadyMark(self, key)))
         self._backend = None
         if dist.is_available() and dist.is_initialized():
             self._resolve_backend()
 
-    def _build_groups(self, root: nn.Module, ddp) -> None:
-        self._slots, self._groups = build_groups(root, ddp, self._user_layers, self.layers_per_group,
-                                                 self.min_compress_numel)
-        self._expected = set(self._slots)
+    def group_size(self) -> Optional[int]:
+        """Layers per group in use now: the fixed setting, or with ``"auto"`` the choice (the
+        calibration step's size before it)."""
+        if self._auto is None:
+            return self.layers_per_group  # type: ignore[return-value]
+        return self._auto.chosen if self._auto.decided else self._auto_lpg
 
-        if self.measure_readiness:
-            for s in self._slots.values():
-                if hasattr(s.param, "register_post_accumulate_grad_hook"):
-                    self._ready_handles.append(
-                        s.param.register_post_accumulate_grad_hook(_ReadyMark(s.group))
-                    )
+    def _build_groups(self, root: nn.Module, ddp, warn: bool = True) -> None:
+        self._slots, self._groups = build_groups(root, ddp, self._user_layers, self.group_size(),
+                                                 self.min_compress_numel, warn=warn)
+        self._expected = set(self._slots)
+        self._n_layers = len({s.layer for s in self._slots.values() if s.layer >= 0})
+
+    def _regroup(self, layers_per_group: int) -> None:
+        """Rebuild the groups at ``layers_per_group`` between steps. Each compressed parameter's
+        residual (keyed by name) is moved into its new group's packing, none lost or doubled;
+        the per-group stats restart with the new groups."""
+        res = {k: v.detach().clone() for k, v in self.residuals.items()}
+        ready = {key: s.group.grad_ready_t for key, s in self._slots.items()}
+        if self._auto is not None and not self._auto.decided:
+            self._auto_lpg = layers_per_group
+        self._build_groups(self._root, self._ddp, warn=False)
+        for key, s in self._slots.items():  # grad-ready stamps of this backward so far
+            t = ready.get(key)
+            if t is not None and (s.group.grad_ready_t is None or t > s.group.grad_ready_t):
+                s.group.grad_ready_t = t
+        self._put_residuals(res)
 
     def _resolve_backend(self) -> None:
         pg = self.process_group
@@ -277,7 +327,10 @@ class BF16ErrorFeedbackState(Checkpointing):
             )
             step = None
         if step is None:
-            step = self._step = _Step(len(self._groups))
+            if self._auto is not None and (not self._auto.decided or self._auto.pending is not None):
+                self._auto_step_start()
+            calibrating = self._auto is not None and not self._auto.decided
+            step = self._step = _Step(len(self._groups), calibrating)
             step.t_first = t0
         grads = bucket.gradients()
         if len(grads) != len(params):
@@ -308,6 +361,8 @@ class BF16ErrorFeedbackState(Checkpointing):
                 g.ensure_buffers()
             pack_dst.append(s.view)
             pack_src.append(grad.reshape(-1))
+            if step.layer_t is not None:
+                step.layer_t[s.layer] = t0
             parts.setdefault(g.index, []).append((s, grad))
             gs.arrived += 1
             step.arrived_ids.add(id(p))
@@ -359,6 +414,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             ef = (g.ef_buf, g.residual, g.staged) if g.ef_numel else tuple(torch.empty(0) for _ in range(3))
             work = self._backend.allreduce_ef(*ef, g.index, label=", ".join(g.layer_names), plain=plain,
                                               wire=self.wire)
+            if self._step is not None and self._step.layer_t is not None:  # calibrating: find its record
+                gs.seq = getattr(self._backend, "sequence_number", None)
             fut = work.get_future()
         except BaseException as e:
             gs.done.set_exception(e)
@@ -379,8 +436,9 @@ class BF16ErrorFeedbackState(Checkpointing):
     def _group_done(self, g: Group, gs: _GroupStep, f: torch.futures.Future) -> None:
         try:
             f.value()  # re-raises the operation's error
+            gs.t_done = time.perf_counter()
             gs.finite = g.all_finite()
-            g.comm_s = time.perf_counter() - gs.t_launch
+            g.comm_s = gs.t_done - gs.t_launch
             g.sum_comm_s += g.comm_s
         except BaseException as e:  # noqa: BLE001  (handed to the futures DDP waits on)
             gs.done.set_exception(e)
@@ -418,6 +476,114 @@ class BF16ErrorFeedbackState(Checkpointing):
         if self._t_last_hook_return is not None:
             self._exposed_s = max(0.0, time.perf_counter() - self._t_last_hook_return)
             self._sum_exposed_s += self._exposed_s
+        a = self._auto
+        if a is not None:
+            if a.decided:
+                a.record_after(self._exposed_s)
+            elif step.layer_t is not None:
+                a.seen_steps += 1
+                if a.seen_steps > 1:  # DDP's first synced step (one big bucket) is not measured
+                    a.pending = {"step": step, "groups": [g for g, _ in launched],
+                                 "group_size": self._auto_lpg,
+                                 "t_end": self._t_last_hook_return, "exposed_s": self._exposed_s}
+
+    # -- layers_per_group="auto" ------------------------------------------------------------
+
+    def _auto_step_start(self) -> None:
+        """At the first hook call of a synced step, before packing: turn the last calibration
+        step into a sample (its operations' records are in by now), then either choose (all
+        ranks, same step) or set the next calibration step's group size."""
+        a = self._auto
+        if a.pending is not None:
+            a.samples.append(self._auto_sample(a.pending))
+            a.pending = None
+        if a.decided:
+            return
+        if self._n_layers <= 1:  # nothing to choose: the same groups at any size
+            a.chosen, a.source, a.predictions = 1, "trivial", {}
+            log.info("xirang hook: layers_per_group='auto': %d layer(s), 1 layer per group", self._n_layers)
+            return
+        if a.ready_to_decide():
+            self._auto_decide()
+            return
+        want = a.group_size_for_next(self._n_layers) if a.seen_steps >= 1 else 1
+        if want != self._auto_lpg:
+            self._regroup(want)
+
+    def _bytes_of(self, slots) -> float:
+        """Bytes one rank sends for ``slots`` in one operation, as ``stats()`` counts them:
+        (2 per compressed element, itemsize per plain element) x 2(N-1)/N."""
+        n = self.world_size or 1
+        ring = 2.0 * (n - 1) / n
+        return sum((2 if s.kind == "ef" else s.param.element_size()) * s.numel for s in slots) * ring
+
+    def _auto_sample(self, p: Dict[str, Any]) -> StepSample:
+        step, groups = p["step"], p["groups"]
+        t0 = step.t_first
+        order = sorted(groups, key=lambda g: step.groups[g.index].t_launch)
+        seqs = {step.groups[g.index].seq for g in order}
+        recs: Dict[int, Dict[str, Any]] = {}
+        if None not in seqs and hasattr(self._backend, "records"):
+            recs = {r["seq"]: r for r in self._backend.records() if r["seq"] in seqs and r.get("ok", True)}
+        py = op_seconds_python([(step.groups[g.index].t_launch, step.groups[g.index].t_done) for g in order])
+        # The end of backward: the last hook call that handed a gradient (its start), not its
+        # return: the operation it launches competes with the rest of that call for the CPU.
+        t_end = max(step.layer_t.values(), default=p["t_end"])
+        ops, after, beside = [], [], []
+        from_records = True
+        for g, t_py in zip(order, py):
+            r = recs.get(step.groups[g.index].seq)
+            if r is None:
+                from_records = False
+            # The queue's cost of the operation: its Python-side service time (the backend's
+            # work plus the hook's completion callbacks on the communication thread and their
+            # waits for the GIL, which hold up the next operation too), at least its record's.
+            op = (self._bytes_of(g.slots), max(t_py, float(r["total_s"])) if r is not None else t_py)
+            ops.append(op)
+            if step.groups[g.index].t_done - op[1] >= t_end:  # started after backward's end
+                after.append(op)
+            elif step.groups[g.index].t_done <= t_end:  # ran beside backward all along
+                beside.append(op)
+        src = "records+python" if from_records else "python"
+        self._auto.source = src if self._auto.source in (None, src) else "python"
+        layer_t: List[Optional[float]] = [None] * self._n_layers
+        for layer, t in step.layer_t.items():
+            if 0 <= layer < self._n_layers:
+                layer_t[layer] = t - t0
+        extra = step.layer_t.get(-1)
+        return StepSample(p["group_size"], layer_t, None if extra is None else extra - t0, t_end - t0, ops,
+                          p["exposed_s"], after, beside)
+
+    def _auto_decide(self) -> None:
+        a = self._auto
+        by_layer: List[List[Slot]] = [[] for _ in range(self._n_layers)]
+        rest: List[Slot] = []
+        for s in self._slots.values():
+            (by_layer[s.layer] if s.layer >= 0 else rest).append(s)
+        m = a.measure([self._bytes_of(x) for x in by_layer], self._bytes_of(rest) if rest else None)
+        g, pred = m["choice"], m["predictions"][m["choice"]]
+        mine = g
+        pg = self.process_group
+        if (self.world_size or 1) > 1:  # group rank 0 decides; every rank is here, at the same step
+            t = torch.tensor([float(g), float(pred)], dtype=torch.float64)
+            src = 0 if pg is None else dist.get_global_rank(pg, 0)
+            dist.broadcast(t, src=src, group=pg)
+            g, pred = int(t[0].item()), float(t[1].item())
+        a.chosen, a.predicted_exposed_s = g, pred
+        a.predictions, a.alpha_s, a.beta_s_per_byte = m["predictions"], m["alpha"], m["beta"]
+        a.contention, a.slowdown = m["contention"], m["slowdown"]
+        cands = ", ".join(f"{k}: {v * 1e3:.3f}" for k, v in sorted(m["predictions"].items()))
+        who = "rank 0's choice" if g == mine else f"rank 0's choice; this rank's was {mine}"
+        n_ops = sum(len(s.ops) for s in a.samples)
+        exposed_cal = statistics.median([s.exposed_s for s in a.samples])
+        log.info("xirang hook: layers_per_group='auto' chose %d layers per group (%s; predicted exposed "
+                 "communication %.3f ms; fit over %d operations of %d steps (%s): alpha %.1f us per "
+                 "operation, beta %.3g s/B, contention %.2f, slowdown beside backward %.2f; measured "
+                 "exposed at calibration %.3f ms). "
+                 "Predicted exposed ms by layers per group: %s", g, who, pred * 1e3, n_ops, len(a.samples),
+                 a.source, m["alpha"] * 1e6, m["beta"], m["contention"], m["slowdown"], exposed_cal * 1e3,
+                 cands)
+        self._regroup(g)
 
     # -- stats ------------------------------------------------------------------------------
 
@@ -439,18 +605,32 @@ class BF16ErrorFeedbackState(Checkpointing):
         counterparts, and ``residual_bytes`` (residual + staging). ``totals`` sums bytes,
         launches and residual bytes and adds ``exposed_comm_s``: last hook return -> the
         step's last group done, an estimate of how long DDP waits on communication.
+        ``autogroup``: None unless ``layers_per_group="auto"``; then ``decided``,
+        ``layers_per_group`` (the choice, None while calibrating), ``calibration_steps`` and
+        ``calibration_steps_measured``, ``restored`` (from a checkpoint), ``alpha_s`` (s per
+        operation), ``beta_s_per_byte``, ``contention`` (0..1), ``slowdown`` (>= 1), ``source``
+        ("records+python" or "python"), ``predicted_exposed_comm_s`` (rank 0's, for the choice),
+        ``measured_exposed_comm_s`` (mean ``exposed_comm_s`` of the steps since the choice), ``steps_since_choice`` and
+        ``predictions_s`` (g -> predicted s, this rank's). After a regroup the per-group figures
+        start again with the new groups.
         """
-        return hook_stats(self._groups, self.world_size or 1, self._exposed_s, self._sum_exposed_s, self.steps,
-                          self.skipped_steps, WIRE_BYTES[self.wire])
+        out = hook_stats(self._groups, self.world_size or 1, self._exposed_s, self._sum_exposed_s, self.steps,
+                         self.skipped_steps, WIRE_BYTES[self.wire])
+        out["autogroup"] = self._auto.report() if self._auto is not None else None
+        return out
 
 
 class _ReadyMark:
-    """Post-accumulate-grad hook: stamps the time a group's gradient last grew."""
+    """Post-accumulate-grad hook: stamps the time a group's gradient last grew (the parameter's
+    group now: ``"auto"`` regroups between steps)."""
 
-    __slots__ = ("group",)
+    __slots__ = ("state", "key")
 
-    def __init__(self, group: Group):
-        self.group = group
+    def __init__(self, state: BF16ErrorFeedbackState, key: int):
+        self.state = state
+        self.key = key
 
     def __call__(self, _param: torch.Tensor) -> None:
-        self.group.grad_ready_t = time.perf_counter()
+        s = self.state._slots.get(self.key)
+        if s is not None:
+            s.group.grad_ready_t = time.perf_counter()

@@ -31,25 +31,28 @@ Cost model (alpha-beta; Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009
 - per-launch overhead per collective; BF16 halves bytes on the wire and adds a codec pass.
 - timeline: layers finish backward one by one; a group's collectives may start when its last layer
   is done and the link is free (collectives run one at a time, FIFO). Exposed comm = what runs past
-  the end of backward. Communication does not slow compute (no contention for SMs/memory).
+  the end of backward. Communication does not slow compute (no contention for SMs/memory); the
+  FIFO queue (timeline.serial_queue) can slow collectives that run beside backward by a factor,
+  which the comm hook's layers_per_group="auto" measures on CPU tensors (hooks/autogroup.py).
 
 Modules: ``model`` (inputs), ``cost`` (one allreduce), ``timeline`` (one configuration's step),
 ``args`` (the command line's flags), ``paper``, ``recommend``, ``calibrate`` (the modes), ``cli``.
 """
 from .args import add_args, build, check_args, settings
-from .calibrate import calibrate, cpu_share, fit, load_measurements, loopback_cluster, predict
+from .calibrate import calibrate, cpu_share, fit, fit_per_op, load_measurements, loopback_cluster, predict
 from .cli import check_finite, main, run_mode
 from .cost import RingSet, chunk_elems, ring_elements_sent, ring_time, two_level_time
 from .model import GB, PRESETS, Cluster, Compute, Model, SettingsError
 from .paper import PUBLICATION, PUBLISHED, REPRODUCE_TOL, TOLERANCE_TEXT, paper, print_paper
 from .recommend import advice, print_recommend, recommend
 from .table import table
-from .timeline import ALL, OPTS, Config, Sim
+from .timeline import ALL, OPTS, Config, Sim, exposed_comm, serial_queue
 
 __all__ = [
     "ALL", "GB", "OPTS", "PRESETS", "PUBLICATION", "PUBLISHED", "REPRODUCE_TOL", "TOLERANCE_TEXT",
     "Cluster", "Compute", "Config", "Model", "RingSet", "SettingsError", "Sim",
-    "add_args", "advice", "build", "calibrate", "check_args", "check_finite", "chunk_elems", "cpu_share", "fit",
+    "add_args", "advice", "build", "calibrate", "check_args", "check_finite", "chunk_elems", "cpu_share",
+    "exposed_comm", "fit", "fit_per_op",
     "load_measurements", "loopback_cluster", "main", "paper", "predict", "print_paper", "print_recommend",
-    "recommend", "ring_elements_sent", "ring_time", "run_mode", "settings", "table", "two_level_time",
+    "recommend", "ring_elements_sent", "ring_time", "run_mode", "serial_queue", "settings", "table", "two_level_time",
 ]

@@ -103,6 +103,38 @@ def fit(rows: list, cores: Optional[int] = None):
     return float(alpha), float(beta)
 
 
+def fit_per_op(rows) -> tuple:
+    """Least squares ``T = alpha + beta B`` over rows ``(B bytes, T seconds)`` of single operations
+    -> ``(alpha s per operation, beta s per byte)``, both clamped to >= 0.
+
+    The cost model of one operation of a known size on a known group (the hook's per-group
+    allreduce: launch, latency and codec overheads in alpha, everything proportional to the bytes
+    in beta), unweighted so that the predicted sum over a step's operations is right. A negative
+    alpha is pinned to 0 and beta refitted through the origin; a negative beta to 0 and alpha is the
+    mean time. With one distinct size the two cannot be told apart: alpha = 0 and beta = mean(T /
+    B) (or, with B = 0 only, alpha = mean(T)). Raises ValueError for no rows or a non-finite or
+    negative value."""
+    import numpy as np
+
+    rows = [(float(b), float(t)) for b, t in rows]
+    if not rows:
+        raise ValueError("fit_per_op: no (bytes, seconds) rows")
+    if not all(math.isfinite(b) and math.isfinite(t) and b >= 0 and t >= 0 for b, t in rows):
+        raise ValueError("fit_per_op: bytes and seconds must be finite and >= 0")
+    x = np.array([b for b, _ in rows])
+    y = np.array([t for _, t in rows])
+    if np.ptp(x) <= 1e-12 * max(1.0, float(np.abs(x).max())):  # one size: inseparable
+        if x[0] <= 0:
+            return float(y.mean()), 0.0
+        return 0.0, float((y / x).mean())
+    (beta, alpha) = np.polyfit(x, y, 1)
+    if alpha < 0:
+        alpha, beta = 0.0, float(np.dot(x, y) / np.dot(x, x))
+    if beta < 0:
+        alpha, beta = float(y.mean()), 0.0
+    return max(0.0, float(alpha)), max(0.0, float(beta))
+
+
 def predict(alpha: float, beta: float, n: int, S: float, cores: Optional[int] = None) -> float:
     """share(n) (2(n-1) alpha + 2(n-1)/n S beta); with cores None (or >= n) the plain alpha-beta ring."""
     return cpu_share(n, cores) * (2 * (n - 1) * alpha + 2 * (n - 1) / n * S * beta)

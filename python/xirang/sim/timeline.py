@@ -32,6 +32,37 @@ class Config:
         return "+".join(on) if on else "none"
 
 
+def serial_queue(units, slow_until_s: float = 0.0, slowdown: float = 1.0) -> tuple:
+    """Collectives run one at a time in launch order (FIFO, one communication thread or link).
+
+    ``units``: ``(ready_s, cost_s)`` per collective, in launch order, seconds from a common origin
+    (e.g. the start of backward): each starts at ``max(ready_s, end of the previous)`` and takes
+    ``cost_s``. Before ``slow_until_s`` a collective progresses ``slowdown`` (>= 1) times slower
+    (compute beside it takes the CPU it needs: loopback, CPU tensors); 1, the default, is the
+    model's usual assumption that nothing slows communication. Returns ``(end of the last, sum of
+    the durations)`` in seconds; ``(0.0, 0.0)`` for none.
+    """
+    free = total = 0.0
+    for ready, cost in units:
+        start = max(free, ready)
+        dur = cost
+        if slowdown > 1.0 and start < slow_until_s:
+            room = (slow_until_s - start) / slowdown  # work it can do before slow_until_s
+            dur = cost * slowdown if cost <= room else (slow_until_s - start) + (cost - room)
+        free = start + dur
+        total += dur
+    return free, total
+
+
+def exposed_comm(units, bwd_end_s: float, slowdown: float = 1.0) -> tuple:
+    """``(exposed_s, total_s)`` of :func:`serial_queue` ``units`` behind a backward that ends at
+    ``bwd_end_s`` (same origin; collectives beside it ``slowdown`` times slower): exposed = what
+    runs past the end of backward, ``max(0, end of the last collective - bwd_end_s)``, never more
+    than the total (a bound only float rounding reaches)."""
+    free, total = serial_queue(units, bwd_end_s, slowdown)
+    return min(max(0.0, free - bwd_end_s), total), total
+
+
 class Sim:
     def __init__(self, model: Model, cl: Cluster, comp: Compute):
         if cl.gpus % (model.tp * model.pp):
@@ -128,7 +159,8 @@ class Sim:
     def run(self, cfg: Config) -> dict:
         c, cl = self.comp, self.cl
         compute = c.fwd_s + c.bwd_s + c.opt_s
-        free, total, xbytes, launches = 0.0, 0.0, 0.0, 0
+        xbytes = 0.0
+        queue = []  # (ready_s, seconds) per collective, in launch order
         cache: dict = {}
         if self.dp > 1:
             for ready, ops in self.units(cfg):
@@ -136,12 +168,10 @@ class Sim:
                     if numel not in cache:
                         cache[numel] = self.allreduce(numel, cfg)
                     t, xb = cache[numel]
-                    t += cl.launch_us * 1e-6
-                    free = max(free, ready) + t
-                    total += t
+                    queue.append((ready, t + cl.launch_us * 1e-6))
                     xbytes += xb
-                    launches += 1
-        exposed = min(max(0.0, free - c.bwd_s), total)  # min: float rounding only
+        launches = len(queue)
+        exposed, total = exposed_comm(queue, c.bwd_s)
         step = compute + exposed
         whole, _ = self.allreduce(int(self.m.shard_params()), cfg) if self.dp > 1 else (0.0, 0.0)
         return {"config": cfg.label(), "gpus": cl.gpus, "dp": self.dp, "launches": launches,
