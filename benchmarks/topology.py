@@ -244,7 +244,8 @@ def worker() -> int:
         g = torch.Generator().manual_seed(rank)
         data = torch.randn(cfg["batch"], cfg["width"], generator=g)
         nparams = sum(p.numel() for p in make_model().parameters())
-        # xirang+fp16 / +int8: the hook's scaled wire formats (direct form) on the topo-ring group.
+        # xirang+fp16 / +int8: the hook's scaled wire formats on the two-level group (fp32 inside
+        # hosts, the format across them).
         ddp_methods = ["compute"] + list(METHODS) + ["gloo+fp16", "xirang+fp16", "xirang+int8"]
         models = {}
         for m in ddp_methods:
@@ -252,7 +253,7 @@ def worker() -> int:
             if m == "compute":
                 models[m] = (net, torch.optim.SGD(net.parameters(), lr=1e-3))
                 continue
-            pg = groups["gloo" if m.startswith("gloo") else ("topo-ring" if m.startswith("xirang+") else m)]
+            pg = groups["gloo" if m.startswith("gloo") else ("two-level" if m.startswith("xirang+") else m)]
             d = DDP(net, process_group=pg, bucket_cap_mb=cfg["bucket_mb"])
             if m == "gloo+fp16":
                 d.register_comm_hook(pg, default_hooks.fp16_compress_hook)
@@ -281,7 +282,7 @@ def worker() -> int:
                 times[m].append(slowest(time.perf_counter() - t0))
         cross = {}
         for m in list(METHODS[:3]) + ["xirang+fp16", "xirang+int8"]:  # one more step per xirang method: its records
-            pg = groups["topo-ring" if m.startswith("xirang+") else m]
+            pg = groups["two-level" if m.startswith("xirang+") else m]
             n0 = len(xirang.stats(pg))
             step(m)
             new = xirang.stats(pg)[n0:]
@@ -423,7 +424,8 @@ def report(res, a, setup, ws, hosts, elapsed, load0, load1) -> None:
                      f"gloo fp32 default hook {med['gloo'] * 1e3:.0f} ms, gloo+fp16_compress_hook "
                      f"{med['gloo+fp16'] * 1e3:.0f} ms; compute only (no DDP) {med['compute'] * 1e3:.0f} ms")
         if "xirang+int8" in med:
-            lines.append("# the hook's other wire formats on the topo-ring group (direct form, error feedback): "
+            lines.append("# the hook's other wire formats on the two-level group (fp32 inside hosts, the format "
+                         "with error feedback across them): "
                          + ", ".join(f"{w} {med['xirang+' + w] * 1e3:.0f} ms ({med['xirang+' + w] / med['gloo']:.2f}x "
                                      f"gloo fp32, xrack {r['cross_rack'].get('xirang+' + w, 0) / 1e6:.1f} MB)"
                                      for w in ("fp16", "int8")))

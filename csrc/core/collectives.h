@@ -185,6 +185,13 @@ const HostLevel& linkHostLevel();
 // blockBytes(w, shard). Results bitwise equal on all ranks. r_out may alias r_in.
 void allreduceEFTwoLevel(const Comm& comm, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n,
                          codec::Wire w, const HostLevel& host);
+// Whether the error-feedback op of n elements runs allreduceEFTwoLevel: comm has a two-level plan
+// (allreduceAlgo: TwoLevel) and either the wire is FP16 / INT8 or two-level is forced
+// (Comm::Algo::TwoLevel). BF16 under Auto keeps the compressed topology ring: on the emulated
+// cluster (benchmarks/topology.py, 2 racks x 2 hosts x 2 ranks, 16 MiB DDP step) the ring took 749
+// ms against two-level's 1062, while int8 took 709 ms two-level (half the ring's cross-rack bytes)
+// and fp16 871, against 811-1478 ms for their direct form.
+bool efTwoLevel(const Comm& comm, int64_t n, codec::Wire w);
 
 // Broadcast `bytes` at `data` from group rank `root` along the ring (pipelined chain of segments).
 void broadcast(const Comm& comm, const OpCtx& ctx, void* data, uint64_t bytes, int root);

@@ -91,8 +91,7 @@ class LinkCollectives final : public Collectives {
   }
   void allreduceEF(const Comm& c, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n,
                    codec::Wire wire) const override {
-    if (allreduceAlgo(c, n, DType::Float32) == Comm::Algo::TwoLevel)
-      return allreduceEFTwoLevel(c, ctx, x, r_in, r_out, n, wire, linkHostLevel());
+    if (efTwoLevel(c, n, wire)) return allreduceEFTwoLevel(c, ctx, x, r_in, r_out, n, wire, linkHostLevel());
     if (wire == codec::Wire::BF16) return allreduceBF16EF(c, ctx, x, r_in, r_out, n);
     allreduceEFDirect(c, ctx, x, r_in, r_out, n, wire);
   }

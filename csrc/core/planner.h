@@ -73,10 +73,11 @@ class Collectives {
   virtual ~Collectives() = default;
   virtual void allreduce(const Comm& c, const OpCtx& ctx, void* data, int64_t numel, DType dtype, ReduceOp op,
                          double premul) const = 0;
-  // wire: where comm has a two-level plan (allreduceAlgo: TwoLevel), allreduceEFTwoLevel (fp32
-  // inside hosts, `wire` across them; over shared memory inside hosts when comm.shm covers the
-  // host); else BF16 runs the compressed ring (allreduceBF16EF), FP16 and INT8 the direct form
-  // (allreduceEFDirect); a group inside one host over shared memory is the exact fp32 average.
+  // wire: where collectives.h's efTwoLevel says so (a two-level plan, and FP16 / INT8 or a forced
+  // two-level), allreduceEFTwoLevel (fp32 inside hosts, `wire` across them; over shared memory
+  // inside hosts when comm.shm covers the host); else BF16 runs the compressed ring
+  // (allreduceBF16EF), FP16 and INT8 the direct form (allreduceEFDirect); a group inside one host
+  // over shared memory is the exact fp32 average.
   virtual void allreduceEF(const Comm& c, const OpCtx& ctx, float* x, const float* r_in, float* r_out, int64_t n,
                            codec::Wire wire) const = 0;
   virtual void reduceScatter(const Comm& c, const OpCtx& ctx, const std::vector<transport::RecvSeg>& blocks,

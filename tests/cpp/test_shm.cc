@@ -779,7 +779,8 @@ TEST_CASE("shm: collectivesFor chooses the transport: shared memory for a ring i
 }
 
 TEST_CASE("shm: the error-feedback op of a multi-host group is two-level: fp32 inside hosts (link or shared "
-          "memory, the same bits), the wire format across them; invariant, replicas, bytes", "[shm][wire]") {
+          "memory, the same bits), the wire format across them; invariant, replicas, bytes; bf16 when forced",
+          "[shm][wire]") {
   const auto w = GENERATE(xirang::codec::Wire::BF16, xirang::codec::Wire::FP16, xirang::codec::Wire::INT8);
   const int hosts = 2, per = 2, n = hosts * per;
   CAPTURE(xirang::codec::wireName(w));
@@ -791,12 +792,24 @@ TEST_CASE("shm: the error-feedback op of a multi-host group is two-level: fp32 i
   std::vector<std::vector<std::vector<double>>> ysum(2, std::vector<std::vector<double>>(n));
   std::vector<std::vector<std::vector<float>>> res(2, std::vector<std::vector<float>>(n)), last(2, std::vector<std::vector<float>>(n));
   std::vector<std::vector<xirang::Phases>> ph(2, std::vector<xirang::Phases>(n));
+  std::vector<std::string> auto_algo(static_cast<size_t>(n));  // bf16 under Auto: the ring
   auto input = [](int r, int t, int64_t k) { return static_cast<float>(inputValue(r, k, 40 + t)); };
   xirang_test::runRanks(n, [&](int r) {
     const size_t i = static_cast<size_t>(r);
     for (int path = 0; path < 2; ++path) {
       Comm c = th.comm[i];
       if (path == 1) c.shm = th.dom[i].get();
+      if (w == xirang::codec::Wire::BF16) {
+        if (path == 0) {  // Auto keeps bf16 on the compressed ring (efTwoLevel)
+          std::vector<float> x(static_cast<size_t>(numel), 1.0f), r0(static_cast<size_t>(numel), 0.0f);
+          OpCtx ctx = ctxFor(tp::OpKind::AllreduceEF, DType::Float32, ReduceOp::Avg, static_cast<uint64_t>(numel), 100);
+          xirang::Phases p;
+          ctx.phases = &p;
+          xirang::collectivesFor(c).allreduceEF(c, ctx, x.data(), r0.data(), r0.data(), numel, w);
+          auto_algo[i] = p.algorithm;
+        }
+        c.algo = Comm::Algo::TwoLevel;  // forced: two-level for bf16 too
+      }
       std::vector<float> x(static_cast<size_t>(numel)), ra(static_cast<size_t>(numel), 0.0f),
           rb(static_cast<size_t>(numel), 1e30f);  // stale staging: must not leak into the residual
       ysum[path][i].assign(static_cast<size_t>(numel), 0.0);
@@ -821,6 +834,8 @@ TEST_CASE("shm: the error-feedback op of a multi-host group is two-level: fp32 i
     }
   });
   const std::string algo = std::string("two_level_") + xirang::codec::wireName(w) + "_ef";
+  if (w == xirang::codec::Wire::BF16)
+    for (int r = 0; r < n; ++r) CHECK(auto_algo[static_cast<size_t>(r)] == "ring_bf16_ef");
   // This rank's shard of the host level (twoLevelSplit: ring::partition over the host's ranks).
   const auto shards = xirang::ring::partition(numel, per);
   for (int path = 0; path < 2; ++path) {

@@ -387,6 +387,11 @@ void allreduceEFDirect(const Comm& comm, const OpCtx& ctx, float* x, const float
   efDirect(comm, ctx, x, r_in, r_out, numel, w, 1.0f / static_cast<float>(std::max(comm.size(), 1)));
 }
 
+bool efTwoLevel(const Comm& comm, int64_t n, codec::Wire w) {
+  return allreduceAlgo(comm, n, DType::Float32) == Comm::Algo::TwoLevel &&
+         (w != codec::Wire::BF16 || comm.algo == Comm::Algo::TwoLevel);
+}
+
 const HostLevel& linkHostLevel() {
   static const HostLevel link{
       [](const Comm& local, const OpCtx& ctx, const std::vector<RecvSeg>& blocks) {

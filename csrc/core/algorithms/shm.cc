@@ -657,7 +657,7 @@ class ShmCollectives final : public Collectives {
                    codec::Wire wire) const override {
     if (!whole(c)) {
       // Several hosts: the two-level plan with shared memory inside this host, where it covers it.
-      if (allreduceAlgo(c, n, DType::Float32) == Comm::Algo::TwoLevel && covers(c.local_group, *c.shm))
+      if (efTwoLevel(c, n, wire) && covers(c.local_group, *c.shm))
         return allreduceEFTwoLevel(c, ctx, x, r_in, r_out, n, wire, hostLevel());
       return linkCollectives().allreduceEF(c, ctx, x, r_in, r_out, n, wire);
     }
