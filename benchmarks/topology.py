@@ -25,7 +25,9 @@ turns (order rotates); a repetition is one op after a gloo barrier, its time the
 forward + backward (+ the comm hook) + SGD step, timed like an allreduce repetition. xirang methods
 use `xirang.register_comm_hook(ddp_model)` (BF16 on the wire, error feedback); gloo runs DDP's
 default fp32 allreduce and, as "gloo+fp16", torch's fp16_compress_hook (the same wire bytes as
-xirang's hook). "compute" is the same step without DDP (no communication).
+xirang's hook); "xirang+fp16" / "xirang+int8" are the hook with wire="fp16" / "int8" on the
+two-level group (fp32 inside hosts, the format across them). "compute" is the same step without
+DDP (no communication).
 Cross-rack MB: bytes_cross_rack of the op's xirang.stats() record, summed over ranks.
 """
 from __future__ import annotations
