@@ -99,7 +99,8 @@ void accumulateEncodeEF(const uint16_t* in, const float* x, float scale, const f
 //         only rounding is fp16's RNE of s / scale (exact division by a power of two).
 //   INT8  1-byte codes, one fp32 scale = amax / 127 per segment (amax: the largest finite
 //         magnitude), code = round-half-even(s / scale) clamped to [-127, 127], -128 for an inf or
-//         NaN element (decoded as NaN): xirang.fsdp's int8 wire, bit for bit.
+//         NaN element (decoded as NaN): the element rule of xirang.fsdp's int8 wire, which cuts its
+//         flat buffer into 128-element segments instead (fsdp.py: SEGMENT).
 //
 // A block of n elements is the n codes followed by ceil(n / kWireSegment) fp32 scales (native
 // byte order, unaligned); segments start at the block's first element, the last one is short when
