@@ -192,8 +192,8 @@ void allreduceSparse(const Comm& comm, const OpCtx& ctx, const at::Tensor& t, in
 
 void allreduceEF(const Comm& comm, const OpCtx& ctx, const at::Tensor& buffer, const at::Tensor& residual,
                  const at::Tensor& staged, const std::vector<at::Tensor>& plain, codec::Wire wire) {
-  // The BF16 ring or the FP16 / INT8 direct form; on one host fp32 through shared memory (no
-  // rounding, the residual becomes 0).
+  // planner.h: Collectives::allreduceEF chooses the algorithm (the BF16 ring, the FP16 / INT8
+  // direct form, two-level on multi-host groups, fp32 through shared memory on one host).
   collectivesFor(comm).allreduceEF(comm, ctx, buffer.data_ptr<float>(), residual.data_ptr<float>(),
                                    staged.data_ptr<float>(), buffer.numel(), wire);
   // The group's other tensors (biases, norms, 16-bit or fp64 gradients): averaged in their own
