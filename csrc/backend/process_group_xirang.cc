@@ -49,7 +49,7 @@ class StoreAdapter : public transport::Store {
 
 // Profiler range names must outlive the RecordFunction that points at them: intern them.
 const char* groupTitle(int64_t group_id) {
-  if (group_id < 0) return "xirang:allreduce_bf16_ef";
+  if (group_id < 0) return "xirang:allreduce_ef";
   static std::mutex mu;
   static std::set<std::string> names;
   std::lock_guard<std::mutex> g(mu);
@@ -224,24 +224,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceEF(at::Tensor buffer
   } catch (const std::invalid_argument& e) {
     XR_CHECK(rank_, false, "allreduce_ef: ", e.what());
   }
+  const std::string op = "allreduce_" + wire_name + "_ef";  // the name its records carry
   // Before binding: the host mirrors of CUDA tensors never alias.
   XR_CHECK(rank_, !(staged.defined() && residual.defined() && staged.is_alias_of(residual)),
-           "allreduce_bf16_ef: staged must not share storage with residual");
+           op, ": staged must not share storage with residual");
   auto stage = engines_.stageFor(concat({buffer, residual, staged}, plain));
   buffer = stage->bind(buffer, true, true);
   residual = stage->bind(residual, true, false);
   staged = stage->bind(staged, false, true);
   plain = stage->bind(plain, true, true);
-  checkTensors(rank_, "allreduce_bf16_ef", {buffer, residual, staged});
-  checkTensors(rank_, "allreduce_bf16_ef", plain);
+  checkTensors(rank_, op.c_str(), {buffer, residual, staged});
+  checkTensors(rank_, op.c_str(), plain);
   for (const auto& t : plain)
-    XR_CHECK(rank_, t.is_floating_point(), "allreduce_bf16_ef: plain tensors must be floating, got ", t.scalar_type());
+    XR_CHECK(rank_, t.is_floating_point(), op, ": plain tensors must be floating, got ", t.scalar_type());
   for (const auto* t : {&buffer, &residual, &staged}) {
     XR_CHECK(rank_, t->scalar_type() == at::kFloat && t->dim() == 1 && t->is_contiguous(),
-             "allreduce_bf16_ef: buffer, residual and staged must be 1-D contiguous float32, got ", t->scalar_type(),
+             op, ": buffer, residual and staged must be 1-D contiguous float32, got ", t->scalar_type(),
              " of shape ", t->sizes());
   }
-  XR_CHECK(rank_, residual.numel() == buffer.numel() && staged.numel() == buffer.numel(), "allreduce_bf16_ef: residual (",
+  XR_CHECK(rank_, residual.numel() == buffer.numel() && staged.numel() == buffer.numel(), op, ": residual (",
            residual.numel(), ") and staged (", staged.numel(), ") must have the buffer's ", buffer.numel(), " elements");
   uint64_t numel = static_cast<uint64_t>(buffer.numel());
   for (const auto& t : plain) numel += static_cast<uint64_t>(t.numel());

@@ -38,7 +38,8 @@ of the true gradients minus the current residuals (it telescopes).
 HSDP: on FSDP's native 2-D mesh the shard dimension is compressed as above (dividing by shard x
 replicate size) and FSDP's all-reduce over the replicas sums; with ``compress(...,
 replicate_group=g)`` on a 1-D shard mesh an all-reduce hook averages over the replicas with
-xirang's BF16 error-feedback allreduce as well (see :func:`compress`).
+xirang's error-feedback allreduce in the same wire format (bf16, or int8 with one scale per 1024
+elements; see :func:`compress`).
 """
 from __future__ import annotations
 
@@ -170,6 +171,9 @@ class XirangReduceScatter(_ReduceScatterBase):
         self.replicate_group: Optional[dist.ProcessGroup] = None
         self.replicate_residual: Optional[torch.Tensor] = None
         self._replicate_staged: Optional[torch.Tensor] = None
+        # int8 without error feedback: (zeros, r_out), [S] fp32 each: the residual read, and where
+        # the op writes the one dropped
+        self._replicate_scratch: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.replicate_bytes_wire_last = 0
         self.replicate_bytes_raw_last = 0
         self.calls = 0
@@ -332,30 +336,44 @@ class XirangReduceScatter(_ReduceScatterBase):
         """FSDP all-reduce hook (``set_all_reduce_hook``): the mean over ``replicate_group`` of
         this rank's reduce-scatter output (1-D ``[S]``), in place.
 
-        fp32 output with ``wire="bf16"`` and error feedback: xirang's BF16 error-feedback ring
-        allreduce (``allreduce_ef``, the DDP hook's operation: bf16 on the wire, fp32 sums, the
-        residual ``replicate_residual`` of ``[S]`` fp32, committed only when the result is
-        finite); ``wire="bf16"`` without error feedback: an AVG all-reduce of the output rounded
-        to bf16 (xirang sums 16-bit inputs in fp32 and rounds once); otherwise an AVG all-reduce
-        in the output's dtype (``wire="int8"`` too: not compressed). Raises ``TypeError`` when the
-        group is not served by xirang for the bf16 path.
+        fp32 output with ``wire="bf16"`` or ``"int8"`` and error feedback: xirang's error-feedback
+        allreduce in that wire format (``allreduce_ef``, the DDP hook's operation: bf16 on the
+        compressed ring, or int8 codes with one fp32 scale per 1024 elements in the direct form;
+        fp32 sums, the residual ``replicate_residual`` of ``[S]`` fp32, committed only when the
+        result is finite). ``wire="int8"`` without error feedback: the same operation with a zero
+        residual every step (nothing carried over). ``wire="bf16"`` without error feedback: an AVG
+        all-reduce of the output rounded to bf16 (xirang sums 16-bit inputs in fp32 and rounds
+        once). Otherwise (``wire="fp32"``, a bf16 output, or a non-contiguous int8 one) an AVG
+        all-reduce in the output's dtype. Raises ``TypeError`` when the group is not served by
+        xirang for the compressed paths.
         """
+        from .hooks.state import WIRE_BYTES  # noqa: PLC0415
+
         g = self.replicate_group
         r = g.size()
         n = reduce_output.numel()
         self.replicate_bytes_raw_last = 2 * (r - 1) * n * reduce_output.element_size() // r
-        if self.wire != "bf16" or reduce_output.dtype == torch.bfloat16:
+        fp32 = reduce_output.dtype == torch.float32 and reduce_output.is_contiguous()
+        if self.wire == "fp32" or reduce_output.dtype == torch.bfloat16 or (self.wire == "int8" and not fp32):
             self.replicate_bytes_wire_last = self.replicate_bytes_raw_last
             dist.all_reduce(reduce_output, op=dist.ReduceOp.AVG, group=g)
             return
-        self.replicate_bytes_wire_last = 2 * (r - 1) * n * 2 // r
-        if not self.error_feedback or reduce_output.dtype != torch.float32 or not reduce_output.is_contiguous():
+        self.replicate_bytes_wire_last = int(2 * (r - 1) * n * WIRE_BYTES[self.wire]) // r
+        if self.wire == "bf16" and (not self.error_feedback or not fp32):
             q = reduce_output.to(torch.bfloat16)
             dist.all_reduce(q, op=dist.ReduceOp.AVG, group=g)
             reduce_output.copy_(q)
             return
         from ._backend import backend_for  # noqa: PLC0415
 
+        if not self.error_feedback:  # int8 without error feedback: r_in = 0 each step, r_out dropped
+            if self._replicate_scratch is None or self._replicate_scratch[0].numel() != n:
+                self._replicate_scratch = tuple(torch.zeros(n, dtype=torch.float32, device=reduce_output.device)
+                                                for _ in range(2))
+            zero, scratch = self._replicate_scratch
+            backend_for(g).allreduce_ef(reduce_output, zero, scratch, -1, label=f"fsdp replicate {self.name}",
+                                        wire=self.wire).wait()
+            return
         if self.replicate_residual is None or self.replicate_residual.numel() != n:
             if self.replicate_residual is not None:
                 self._reset(f"the replicate all-reduce has {n} elements, the residual "
@@ -364,7 +382,7 @@ class XirangReduceScatter(_ReduceScatterBase):
         if self._replicate_staged is None or self._replicate_staged.numel() != n:
             self._replicate_staged = torch.zeros_like(self.replicate_residual)
         work = backend_for(g).allreduce_ef(reduce_output, self.replicate_residual, self._replicate_staged,
-                                           -1, label=f"fsdp replicate {self.name}")
+                                           -1, label=f"fsdp replicate {self.name}", wire=self.wire)
         work.wait()
         if bool(torch.isfinite(reduce_output).all()):
             self.replicate_residual, self._replicate_staged = self._replicate_staged, self.replicate_residual
@@ -420,8 +438,8 @@ class FSDPCompressor:
         residual: ``N x S x`` 4 for fp32, 2 for bf16; 0 without error feedback),
         ``residual_resets`` (resets to zero: world size or shape changes, loads, ``reset()``).
         ``replicate_bytes_wire_last`` / ``replicate_bytes_raw_last``: the replicate all-reduce's
-        (``replicate_group``; ring allreduce ``2 (R-1)/R x S x`` itemsize, bf16 vs the output's
-        dtype; 0 without it); ``residual_bytes`` includes its residual and staging buffer
+        (``replicate_group``; ``2 (R-1)/R x S x`` bytes per element: the wire's (2 for bf16,
+        1 + 4/1024 for int8's codes and scales) vs the output's dtype; 0 without it); ``residual_bytes`` includes its residual and staging buffer
         (``S x 4`` each, the staging allocated at the first call).
         ``totals``: ``bytes_wire_per_step`` and ``bytes_raw_per_step`` (sums of the groups' last
         calls: one step's bytes when every group reduce-scatters once a step), the same two for
@@ -575,12 +593,12 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
             rounding error is lost, so the telescoping sum holds only to that error per step.
         replicate_group: HSDP with a compressed replicate dimension: ``fully_shard`` on the
             shard dimension only (a 1-D mesh, e.g. ``mesh["shard"]``) and pass the replicate
-            dimension's group here (``mesh["replicate"].get_group()``, served by xirang; with
-            ``wire="int8"`` the replicate all-reduce is uncompressed, in the output's dtype). Each
+            dimension's group here (``mesh["replicate"].get_group()``, served by xirang). Each
             group's reduce-scatter then divides by N only and an all-reduce hook
             (:meth:`XirangReduceScatter.all_reduce_hook`, ``set_all_reduce_hook``) averages the
-            output over the R replicas with xirang's BF16 error-feedback allreduce (residual and
-            staging ``S x 4`` bytes each per rank; a user factor f becomes ``sum / f`` overall). The
+            output over the R replicas with xirang's error-feedback allreduce in ``wire``'s format
+            (bf16, or int8 with one fp32 scale per 1024 elements; residual and staging ``S x 4``
+            bytes each per rank; a user factor f becomes ``sum / f`` overall). The
             parameters' shards are broadcast from the replicate group's rank 0 here, so the
             replicas start equal. ``None`` (default): no replicate dimension, or FSDP's native
             HSDP (below).
@@ -676,7 +694,7 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
         if getattr(getattr(pg, "_all_reduce_hook", None), "__self__", None) is old:
             pg._all_reduce_hook = None  # an earlier compress(replicate_group=...)'s hook goes with its comm
         if replicate_group is not None:
-            if comm.wire == "bf16" and comm.error_feedback:
+            if comm.wire in ("bf16", "int8") and comm.error_feedback:
                 n_out = sum(p.padded_sharded_param_size.numel() for p in pg.fsdp_params
                             if p.sharded_param.requires_grad)
                 comm.replicate_residual = torch.zeros(n_out, dtype=torch.float32, device=pg.device)

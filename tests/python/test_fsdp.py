@@ -356,7 +356,17 @@ def w_hsdp_hook(wire, steps=2, ef=True):
     import xirang
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    # Over TCP: on one host the default (auto) would run the replicate group's error-feedback op
+    # as an exact fp32 average over shared memory, and the compressed wire would go untested.
+    saved = os.environ.get("XIRANG_TRANSPORT_LOCAL")
+    os.environ["XIRANG_TRANSPORT_LOCAL"] = "tcp"
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    finally:
+        if saved is None:
+            del os.environ["XIRANG_TRANSPORT_LOCAL"]
+        else:
+            os.environ["XIRANG_TRANSPORT_LOCAL"] = saved
     net = make_net(0)
     if mesh.get_coordinate()[0] != 0:
         with torch.no_grad():
@@ -378,8 +388,11 @@ def w_hsdp_hook(wire, steps=2, ef=True):
     comp.load_state_dict(sd)
     live = comp.state_dict()["residuals"]
     restored = all(torch.equal(v, live[k]) for k, v in sd["residuals"].items())
+    rep_ops = [{k: r[k] for k in ("op", "algorithm", "numel", "bytes_wire", "bytes_tcp")} for r in xirang.stats(mesh["replicate"].get_group())
+               if r["label"].startswith("fsdp replicate")]
     return {"grads": res, "sizes": (comp.world_size, comp.replicate_size), "stats": comp.stats(),
-            "keys": sorted(sd["residuals"]), "restored": restored, "layouts": _layouts(net, comp)}
+            "keys": sorted(sd["residuals"]), "restored": restored, "layouts": _layouts(net, comp),
+            "rep_ops": rep_ops}
 
 
 def w_nonfinite():
@@ -708,14 +721,31 @@ def test_async_op_returns_work(pool, ws):
         _assert_close(out["sync"], want, 1e-7, 0, f"rank {r}")
 
 
-def _check_hsdp_grads(res, ws, steps, wire, bf16_rel):
+def _replicate_int8_bound(per_rank, rs_bound):
+    """The int8 replicate all-reduce's share (2 replicas, error feedback, direct form) of a step's
+    error, as a bound on the step's new residuals summed over the replicas (in mean units): each
+    sender rounds s = x_k / 2 + r (half a step of its segment's absmax / 127) and each owner
+    rounds the fp32 sum (half a step of its absmax / 127), so their sum is at most
+    2 x A / 254 with A the largest |x_k| (replica k's shard mean, ranks 2k and 2k + 1, plus the
+    reduce-scatter's error); 5% for the residual inside s. A step's error is this step's new
+    residuals plus the previous step's (the invariant telescopes)."""
+    a = max(float(((per_rank[2 * k][n].double() + per_rank[2 * k + 1][n].double()) / 2).abs().max())
+            for k in range(2) for n in per_rank[0])
+    a += max(float(b.max()) for b in rs_bound.values())
+    return 1.05 * 2 * a / 254
+
+
+def _check_hsdp_grads(res, ws, steps, wire, bf16_rel, replicate_int8=False):
     """Every rank's gradients of a (2, 2) HSDP run against the 4-rank mean, per step: fp32 to
     rounding; int8 within the shard layout's scale bound (_int8_bound divides by its ws, the
-    shard size 2: / 2 more for 4 ranks) plus the previous step's; bf16 within `bf16_rel` of the
-    scale plus the previous step's (the residual carried over). Returns the last step's mean."""
+    shard size 2: / 2 more for 4 ranks) plus the previous step's (and with `replicate_int8` the
+    replicate all-reduce's bound, :func:`_replicate_int8_bound`, this step's and the previous
+    one's); bf16 within `bf16_rel` of the scale plus the previous step's (the residual carried
+    over). Returns the last step's mean."""
     from xirang.fsdp import SEGMENT
 
     prev = None
+    rep_prev = rep = 0.0
     for t in range(steps):
         want, per_rank = ref_grads(ws, t)
         scale = abs_scale(per_rank, ws)
@@ -723,12 +753,16 @@ def _check_hsdp_grads(res, ws, steps, wire, bf16_rel):
             bound = {}
             for lay in res[0]["layouts"].values():
                 bound.update({n: b / 2 for n, b in _int8_bound(per_rank, lay, 2, SEGMENT).items()})
+            if replicate_int8:
+                rep_prev, rep = rep, _replicate_int8_bound(
+                    per_rank, {n: b + (prev[n] if prev is not None else 0) for n, b in bound.items()})
         for r, out in enumerate(res):
             for n, g in out["grads"][t].items():
                 if wire == "fp32":
                     _assert_close(g, want[n], 1e-5, 1e-6, f"step {t} rank {r} {n}")
                 elif wire == "int8":
-                    b = 1.01 * (bound[n] + (prev[n] if prev is not None else 0)) + 1e-6 * scale[n] + 1e-8
+                    b = (1.01 * (bound[n] + (prev[n] if prev is not None else 0)) + rep + rep_prev
+                         + 1e-6 * scale[n] + 1e-8)
                     err = (g.double() - want[n]).abs()
                     assert bool((err <= b).all()), f"step {t} rank {r} {n}: max err {float(err.max()):.3e}"
                 else:
@@ -753,29 +787,58 @@ def test_hsdp_2x2(pool, ws, wire):
 
 
 @pytest.mark.parametrize("ws", [4])
-@pytest.mark.parametrize("wire,ef", [("fp32", True), ("bf16", True), ("bf16", False), ("int8", True)],
-                         ids=["fp32", "bf16", "bf16-noef", "int8"])
+@pytest.mark.parametrize("wire,ef", [("fp32", True), ("bf16", True), ("bf16", False), ("int8", True),
+                                     ("int8", False)],
+                         ids=["fp32", "bf16", "bf16-noef", "int8", "int8-noef"])
 def test_hsdp_replicate_hook_2x2(pool, ws, wire, ef):
     """HSDP through compress(replicate_group=...): the shard reduce-scatter divides by 2, the
-    all-reduce hook averages over the 2 replicas (bf16 error feedback for wire bf16; int8: the
-    replicate all-reduce uncompressed): the mean over all 4 ranks' batches, from replica 0's
-    parameters."""
+    all-reduce hook averages over the 2 replicas (error feedback in the wire's format for bf16
+    and int8; int8 without it: the same operation with a zero residual): the mean over all 4
+    ranks' batches, from replica 0's parameters."""
     steps = 2
     res = pool.run(w_hsdp_hook, wire, steps, ef=ef, timeout=90)
     assert res[0]["sizes"] == (2, 2)
-    _check_hsdp_grads(res, ws, steps, wire, bf16_rel=2.1 * BF16_REL)
+    if wire == "int8" and not ef:  # no residual carried: each step's error is that step's own
+        from xirang.fsdp import SEGMENT
+
+        for t in range(steps):
+            want, per_rank = ref_grads(ws, t)
+            bound = {}
+            for lay in res[0]["layouts"].values():
+                bound.update({n: b / 2 for n, b in _int8_bound(per_rank, lay, 2, SEGMENT).items()})
+            rep = _replicate_int8_bound(per_rank, bound)
+            scale = abs_scale(per_rank, ws)
+            for r, out in enumerate(res):
+                for n, g in out["grads"][t].items():
+                    err = (g.double() - want[n]).abs()
+                    assert bool((err <= 1.01 * bound[n] + rep + 1e-6 * scale[n] + 1e-8).all()), \
+                        f"step {t} rank {r} {n}: max err {float(err.max()):.3e}"
+    else:
+        _check_hsdp_grads(res, ws, steps, wire, bf16_rel=2.1 * BF16_REL, replicate_int8=wire == "int8")
     tot = res[0]["stats"]["totals"]
-    if wire == "bf16":
-        assert tot["replicate_bytes_wire_per_step"] * 2 == tot["replicate_bytes_raw_per_step"] > 0
+    raw, wire_b = tot["replicate_bytes_raw_per_step"], tot["replicate_bytes_wire_per_step"]
+    if wire == "fp32":
+        assert wire_b == raw > 0
+    else:  # bf16: half the fp32 bytes; int8: a quarter plus one fp32 scale per 1024 elements
+        per_elem = 2.0 if wire == "bf16" else 1.0 + 4.0 / 1024
+        assert raw > 0 and abs(wire_b / raw - per_elem / 4) < 2e-3, (wire_b, raw)
+    if wire == "int8" or (wire == "bf16" and ef):
+        # What the replicate group's op sent over TCP, from its records: 2 ranks, so each rank
+        # sends the other's chunk to its owner and its own result to the other rank, i.e. both
+        # chunks' blocks (bf16: 2 bytes an element; int8: codes + one fp32 scale per 1024).
+        for r, out in enumerate(res):
+            ops = out["rep_ops"]
+            assert len(ops) == 3 * (steps + 1), ops  # 3 parameter groups, steps + the resumed one
+            for o in ops:
+                assert o["op"] == f"allreduce_{wire}_ef" and o["bytes_tcp"] == o["bytes_wire"], o
+                halves = (o["numel"] - o["numel"] // 2, o["numel"] // 2)
+                want = (2 * o["numel"] if wire == "bf16"
+                        else sum(c + 4 * -(-c // 1024) for c in halves))
+                assert o["bytes_wire"] == want, (r, o, want)
         for r, out in enumerate(res):
             has = any(k.endswith(".replicate") and k.startswith(f"rank{r}.") for k in out["keys"])
             assert has == ef and out["restored"], out["keys"]
         assert (tot["residual_bytes"] > 0) == ef
-    else:
-        assert tot["replicate_bytes_wire_per_step"] == tot["replicate_bytes_raw_per_step"] > 0
-    if wire == "int8":  # reduce-scatter residuals only, checkpointed
-        for out in res:
-            assert out["keys"] and not any(k.endswith(".replicate") for k in out["keys"]) and out["restored"]
 
 
 @pytest.mark.parametrize("ws", [2])

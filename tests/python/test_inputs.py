@@ -203,6 +203,31 @@ def test_shape_mismatch_is_an_error_on_both_ranks(backend, ws, pool):
     errors_on_every_rank(res, r"shape|size|count|numel|bytes|elements|mismatch", "(1,2560) vs (2,2560)")
 
 
+def w_hook_op_bad_args(wire):
+    """The hook's op (allreduce_ef) given a residual of the wrong size, then a residual that
+    shares storage with the staging buffer: each a RuntimeError before anything is sent."""
+    import xirang
+
+    be = xirang._backend_for(mp_pool.group())
+    x = torch.ones(8)
+    both = torch.zeros(16)
+    return (mp_pool.capture(be.allreduce_ef, x, torch.zeros(7), torch.zeros(8), wire=wire),
+            mp_pool.capture(be.allreduce_ef, x, both[:8], both[8:], wire=wire))
+
+
+@pytest.mark.xirang_only
+@pytest.mark.parametrize("ws", [2])
+@pytest.mark.parametrize("wire", ["bf16", "fp16", "int8"])
+def test_hook_op_bad_arguments_name_the_op(backend, ws, wire, pool):
+    res = pool.run(w_hook_op_bad_args, wire, timeout=30)
+    op = f"allreduce_{wire}_ef"
+    errors_on_every_rank([r[0] for r in res], rf"xirang rank \d: {op}: residual \(7\) and staged \(8\) must have "
+                         r"the buffer's 8 elements", "residual of 7 elements")
+    errors_on_every_rank([r[1] for r in res], rf"xirang rank \d: {op}: staged must not share storage", "aliased")
+    for r, (e, _) in enumerate(res):
+        assert f"xirang rank {r}:" in e.message, e.message
+
+
 def w_mixed_collectives(kind):
     """Ranks disagree about the collective or its root; each call must raise, not hang."""
     import time
