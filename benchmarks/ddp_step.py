@@ -234,8 +234,9 @@ class Config:
             import xirang
 
             lpg = cfg["layers_per_group"] if sweep is None else sweep
+            wire = HOOK_WIRE.get(name, "bf16")  # bf16 (the default) not passed: runs on builds before wire=
             self.hook_state = xirang.register_comm_hook(self.ddp, layers_per_group=lpg,
-                                                        wire=HOOK_WIRE.get(name, "bf16"))
+                                                        **({} if wire == "bf16" else {"wire": wire}))
             self.wire_kind = "measured"
         elif name == "xirang":
             self.wire_kind = "measured"
