@@ -78,7 +78,7 @@ c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpS
   op.tls = at::ThreadLocalState();
   if (spec.kind == OpKind::AllreduceEF) {
     // fp32 over codes of 2 (bf16, fp16) or 1 byte (int8); the scales (0.4%) are not discounted.
-    op.rec.op = std::string("allreduce_") + codec::wireName(spec.wire) + "_ef";
+    op.rec.op = efOpName(spec.wire);
     op.raw_per_wire = spec.wire == codec::Wire::INT8 ? 4 : 2;
   } else {
     op.rec.op = std::string(spec.title).substr(std::strlen("xirang:"));

@@ -224,7 +224,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceEF(at::Tensor buffer
   } catch (const std::invalid_argument& e) {
     XR_CHECK(rank_, false, "allreduce_ef: ", e.what());
   }
-  const std::string op = "allreduce_" + wire_name + "_ef";  // the name its records carry
+  const std::string op = efOpName(wire);
   // Before binding: the host mirrors of CUDA tensors never alias.
   XR_CHECK(rank_, !(staged.defined() && residual.defined() && staged.is_alias_of(residual)),
            op, ": staged must not share storage with residual");

@@ -44,6 +44,10 @@ struct WaitClock {
   std::optional<double> seconds(int64_t now_ns) const;
 };
 
+// The hook's error-feedback op as its records and its argument errors name it:
+// "allreduce_<wire>_ef" (allreduce_bf16_ef, allreduce_fp16_ef, allreduce_int8_ef).
+inline std::string efOpName(codec::Wire w) { return std::string("allreduce_") + codec::wireName(w) + "_ef"; }
+
 // The field tables: X(type, name, initial value), in the order of the JSON line and the dict.
 // Times in seconds, sizes in bytes.
 #define XIRANG_PEER_RECORD_FIELDS(X) \
