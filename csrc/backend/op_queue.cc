@@ -97,6 +97,9 @@ c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpS
   }
   op.what = describe(op);
   work->desc_ = rankPrefix(rank_) + op.what;
+  // After describe() (which names the buffers' float32): the frames of the hook's op carry the
+  // wire's code type, so a rank passing another wire is a "wire mismatch" on every rank.
+  if (spec.kind == OpKind::AllreduceEF) op.ctx.dtype = codec::wireDType(spec.wire);
   if (env::logLevel() >= env::Level::Trace) env::log(env::Level::Trace, rank_, "enqueue " + op.what);
   {
     std::lock_guard<std::mutex> g(mu_);

@@ -467,6 +467,15 @@ const char* wireName(Wire w) {
   return "unknown";
 }
 
+DType wireDType(Wire w) {
+  switch (w) {
+    case Wire::BF16: return DType::BFloat16;
+    case Wire::FP16: return DType::Float16;
+    case Wire::INT8: return DType::Int8;
+  }
+  return DType::Bytes;
+}
+
 Wire wireFromName(const std::string& name) {
   for (Wire w : {Wire::BF16, Wire::FP16, Wire::INT8})
     if (name == wireName(w)) return w;

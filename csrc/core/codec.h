@@ -31,6 +31,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/dtype.h"
+
 namespace xirang::codec {
 
 enum class Path : int { Scalar = 0, AVX2 = 1, AVX512BF16 = 2 };
@@ -114,6 +116,11 @@ constexpr int64_t kWireSegment = 1024;
 
 // "bf16", "fp16", "int8".
 const char* wireName(Wire w);
+// The element type of w's codes (BFloat16, Float16, Int8): what an error-feedback operation's
+// frame headers carry as their dtype, so ranks that pass different wires fail with a "wire
+// mismatch" on every transport (frame.cc: compareHeader) instead of exchanging blocks of
+// different layouts.
+DType wireDType(Wire w);
 // The Wire named `name` (wireName's spelling); std::invalid_argument naming the accepted values.
 Wire wireFromName(const std::string& name);
 // Bytes of a block of n >= 0 elements in format w (std::invalid_argument for n < 0).

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/codec.h"
 #include "core/transport/auth.h"
 #include "core/transport/frame.h"
 
@@ -231,11 +232,26 @@ TEST_CASE("frame: compareHeader names each mismatch with both values", "[frame]"
   }
 }
 
+TEST_CASE("frame: the hook's op with another wire is a wire mismatch, not a dtype or chunk one", "[frame]") {
+  tp::FrameHeader e;
+  e.op = tp::OpKind::AllreduceEF;
+  e.dtype = xirang::codec::wireDType(xirang::codec::Wire::BF16);
+  tp::FrameHeader g = e;
+  g.dtype = xirang::codec::wireDType(xirang::codec::Wire::INT8);
+  g.aux = e.aux + 22;  // the int8 direct form's chunk layout differs too: named only when the rest agrees
+  const std::string m = tp::compareHeader(e, g, 1);
+  CHECK(m == "wire mismatch: this rank bfloat16, rank 1 int8 (every rank must pass the same wire)");
+  CHECK(xirang::codec::wireDType(xirang::codec::Wire::FP16) == xirang::DType::Float16);
+  // Other ops still say dtype.
+  e.op = g.op = tp::OpKind::Allreduce;
+  CHECK(contains(tp::compareHeader(e, g, 1), "dtype mismatch: this rank bfloat16, rank 1 int8"));
+}
+
 TEST_CASE("frame: opKindName covers every op", "[frame]") {
   CHECK(std::string(tp::opKindName(tp::OpKind::Allreduce)) == "allreduce");
   CHECK(std::string(tp::opKindName(tp::OpKind::ReduceScatter)) == "reduce_scatter");
   CHECK(std::string(tp::opKindName(tp::OpKind::Send)) == "send");
-  CHECK(std::string(tp::opKindName(tp::OpKind::AllreduceEF)) == "allreduce_bf16_ef");
+  CHECK(std::string(tp::opKindName(tp::OpKind::AllreduceEF)) == "allreduce_ef");
   for (int k = 0; k <= 11; ++k) CHECK(std::string(tp::opKindName(static_cast<tp::OpKind>(k))) != "unknown");
   CHECK(std::string(tp::opKindName(static_cast<tp::OpKind>(200))) == "unknown");
 }

@@ -228,6 +228,30 @@ def test_hook_op_bad_arguments_name_the_op(backend, ws, wire, pool):
         assert f"xirang rank {r}:" in e.message, e.message
 
 
+def w_hook_op_wire_mismatch():
+    """Rank 0 runs the hook's op with the bf16 wire, the others with int8 (the same tensors)."""
+    import xirang
+
+    be = xirang._backend_for(mp_pool.group())
+    n = 1 << 16
+    x = torch.ones(n)
+    wire = "bf16" if rank() == 0 else "int8"
+    return mp_pool.capture(lambda: be.allreduce_ef(x, torch.zeros(n), torch.zeros(n), 0, wire=wire).wait())
+
+
+@pytest.mark.xirang_only
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_hook_op_wire_mismatch_is_named_on_every_rank(backend, transport):
+    # Over TCP the blocks' layouts differ (ring vs direct form); over shared memory both would
+    # compute the same exact fp32 average: either way every rank raises, naming the two wires.
+    with mp_pool.Pool(3, backend, timeout_s=60, env={"XIRANG_TRANSPORT_LOCAL": transport}) as pool:
+        res = pool.run(w_hook_op_wire_mismatch, timeout=60)
+        pool.discard()
+    errors_on_every_rank(res, r"wire mismatch: this rank (bfloat16|int8), rank \d (int8|bfloat16)", transport)
+    for r, e in enumerate(res):
+        assert e.elapsed < 10.0, f"rank {r} raised after {e.elapsed:.1f} s: a timeout, not the check"
+
+
 def w_mixed_collectives(kind):
     """Ranks disagree about the collective or its root; each call must raise, not hang."""
     import time

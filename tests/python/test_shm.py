@@ -4,7 +4,7 @@ Every collective runs in a pool whose ranks use the shared-memory domain and in 
 use TCP, on the same inputs (``refs.make_input``): the results must be bitwise equal between the
 two and equal to the fp64 / exact reference; the records must say which transport carried the
 bytes. Then the failure paths: a peer SIGKILLed mid-operation, a knob that differs between
-ranks, and a loop of group creations that must leave file descriptors and /dev/shm flat.
+ranks, and a loop of 50 group creations that must leave file descriptors, mappings and /dev/shm flat.
 XIRANG_SHM_BYTES=4096 (the smallest slot) makes the 50 K-element cases run in many pieces.
 """
 from __future__ import annotations
@@ -130,10 +130,17 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _mappings() -> tuple:
+    """(all mappings of this process, those of xirang's shared-memory segments)."""
+    with open("/proc/self/maps") as f:
+        lines = f.read().splitlines()
+    return len(lines), sum("/dev/shm/xirang-" in ln for ln in lines)
+
+
 def w_init_destroy(cycles):
     import xirang._backend
 
-    fds, segs, chosen = [], [], []
+    fds, segs, chosen, maps, shm_maps = [], [], [], [], []
     for i in range(cycles):
         dist.init_process_group("xirang", store=dist.PrefixStore(f"cycle{i}", mp_pool.W.store),
                                 rank=mp_pool.W.rank, world_size=mp_pool.W.world_size,
@@ -144,7 +151,10 @@ def w_init_destroy(cycles):
         dist.destroy_process_group()
         fds.append(_open_fds())
         segs.append(len(shm_segments()))
-    return dict(fds=fds, segs=segs, chosen=chosen)
+        m, x = _mappings()
+        maps.append(m)
+        shm_maps.append(x)
+    return dict(fds=fds, segs=segs, chosen=chosen, maps=maps, shm_maps=shm_maps)
 
 
 def w_two_hosts(mode):
@@ -316,14 +326,18 @@ def test_knob_mismatch_is_a_clear_error(backend):
 
 
 @pytest.mark.dedicated
-def test_init_destroy_loop_leaves_fds_and_dev_shm_flat(backend):
+def test_init_destroy_loop_leaves_fds_mappings_and_dev_shm_flat(backend):
     before = len(shm_segments())
     with mp_pool.Pool(2, "xirang", timeout_s=60, init=False) as pool:  # default knob: auto
-        res = pool.run(w_init_destroy, 20, timeout=120)
+        res = pool.run(w_init_destroy, 50, timeout=240)
     for r, d in enumerate(res):
         assert all(c == ([0, 1], 3.0) for c in d["chosen"]), (r, d["chosen"])  # auto picked shm every time
-        assert d["fds"][-1] == d["fds"][1], f"rank {r}: open fds grew over 20 cycles: {d['fds']}"
+        assert d["fds"][-1] == d["fds"][1], f"rank {r}: open fds grew over 50 cycles: {d['fds']}"
         assert max(d["segs"]) <= before, f"rank {r}: /dev/shm grew: {d['segs']} (before: {before})"
+        # Every segment unmapped at destroy; the process's mapping count flat after the first
+        # cycles (the allocator's and torch's lazily created arenas settle by then).
+        assert max(d["shm_maps"]) == 0, f"rank {r}: segments still mapped after destroy: {d['shm_maps']}"
+        assert d["maps"][-1] <= d["maps"][4], f"rank {r}: mappings grew over 50 cycles: {d['maps']}"
 
 
 @pytest.mark.dedicated

@@ -24,7 +24,7 @@ const char* opKindName(OpKind k) {
     case OpKind::Scatter: return "scatter";
     case OpKind::Barrier: return "barrier";
     case OpKind::Send: return "send";
-    case OpKind::AllreduceEF: return "allreduce_bf16_ef";
+    case OpKind::AllreduceEF: return "allreduce_ef";  // any wire: the header's dtype is the wire's
     case OpKind::Ack: return "ack";
     case OpKind::Admit: return "admit_joiners";
   }
@@ -101,7 +101,10 @@ std::string compareHeader(const FrameHeader& e, const FrameHeader& g, int peer) 
         std::to_string(g.tag));
   if (g.op != e.op)
     add(std::string("op mismatch: this rank ") + opKindName(e.op) + ", " + who + " " + opKindName(g.op));
-  if (g.dtype != e.dtype)
+  if (g.dtype != e.dtype && g.op == e.op && e.op == OpKind::AllreduceEF)
+    add(std::string("wire mismatch: this rank ") + dtypeName(e.dtype) + ", " + who + " " + dtypeName(g.dtype) +
+        " (every rank must pass the same wire)");
+  else if (g.dtype != e.dtype)
     add(std::string("dtype mismatch: this rank ") + dtypeName(e.dtype) + ", " + who + " " + dtypeName(g.dtype));
   if (g.reduce != e.reduce)
     add(std::string("reduce op mismatch: this rank ") + reduceOpName(e.reduce) + ", " + who + " " +

@@ -13,7 +13,7 @@
 namespace xirang::transport {
 
 constexpr uint32_t kMagic = 0x474e5258;  // "XRNG" little-endian
-constexpr uint16_t kWireVersion = 2;  // 2: handshake MACs bind the channel and the group id
+constexpr uint16_t kWireVersion = 3;  // 2: handshake MACs bind the channel and the group id; 3: allreduce_ef frames carry the wire's code dtype
 constexpr size_t kHeaderBytes = 48;
 constexpr uint64_t kMaxAbortMessage = 4096;
 
