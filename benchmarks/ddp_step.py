@@ -15,6 +15,8 @@ per configuration, each from the same seed (identical initial weights, identical
     gloo            DDP default on the gloo group (C++ allreduce, default buckets)
     xirang          DDP default on the xirang group (no hook)
     xirang_hook     xirang + xirang.register_comm_hook(ddp, layers_per_group=8) (default buckets)
+    xirang_hook_late  the same with early_launch=False: groups launch when DDP hands their last
+                    bucket, not when backward has accumulated their gradients
     xirang_hook_bc  the same with bucket_cap_mb=--hook-bucket-cap-mb (0.25: the setting the hook's
                     docstring recommends, ~1/8 of a group's fp32 gradient bytes)
     gloo_fp16       gloo + torch's default_hooks.fp16_compress_hook
@@ -82,14 +84,15 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import machine_info, run_ranks  # noqa: E402
 
-ALL_CONFIGS = ["gloo", "xirang", "xirang_hook", "xirang_hook_bc", "gloo_fp16", "gloo_bf16",
+ALL_CONFIGS = ["gloo", "xirang", "xirang_hook", "xirang_hook_late", "xirang_hook_bc", "gloo_fp16", "gloo_bf16",
                "gloo_powersgd", "xirang_fp16", "xirang_hook_fp16", "xirang_hook_int8"]
 # The hook configs and their wire format (register_comm_hook(wire=...)).
-HOOK_WIRE = {"xirang_hook": "bf16", "xirang_hook_bc": "bf16", "xirang_hook_fp16": "fp16", "xirang_hook_int8": "int8"}
+HOOK_WIRE = {"xirang_hook": "bf16", "xirang_hook_late": "bf16", "xirang_hook_bc": "bf16", "xirang_hook_fp16": "fp16", "xirang_hook_int8": "int8"}
 DESCR = {
     "gloo": "gloo DDP default",
     "xirang": "xirang DDP default (no hook)",
     "xirang_hook": "xirang + BF16 EF hook, 8 layers/group",
+    "xirang_hook_late": "xirang + BF16 EF hook, 8 layers/group, early_launch=False",
     "xirang_hook_bc": "xirang + BF16 EF hook, 8 layers/group, bucket_cap_mb={bc}",
     "gloo_fp16": "gloo + torch fp16_compress_hook",
     "gloo_bf16": "gloo + torch bf16_compress_hook",
@@ -235,8 +238,10 @@ class Config:
 
             lpg = cfg["layers_per_group"] if sweep is None else sweep
             wire = HOOK_WIRE.get(name, "bf16")  # bf16 (the default) not passed: runs on builds before wire=
-            self.hook_state = xirang.register_comm_hook(self.ddp, layers_per_group=lpg,
-                                                        **({} if wire == "bf16" else {"wire": wire}))
+            extra = {} if wire == "bf16" else {"wire": wire}
+            if name == "xirang_hook_late":
+                extra["early_launch"] = False
+            self.hook_state = xirang.register_comm_hook(self.ddp, layers_per_group=lpg, **extra)
             self.wire_kind = "measured"
         elif name == "xirang":
             self.wire_kind = "measured"
@@ -505,17 +510,17 @@ def ratio(a, b):
 
 
 def text_table(rows: list) -> str:
-    hdr = (f"{'WS':>2} {'config':<15} | {'step ms':>8} {'iqr':>6} {'local ms':>8} {'exposed comm ms':>15} |"
+    hdr = (f"{'WS':>2} {'config':<16} | {'step ms':>8} {'iqr':>6} {'local ms':>8} {'exposed comm ms':>15} |"
            f" {'wire/step':>10} {'':<8} {'launch/step':>11} | {'step/g':>6} {'wire/g':>6}")
     out = [hdr, "-" * len(hdr)]
     base = {r["ws"]: r for r in rows if r["config"] == "gloo" and "step_ms" in r}
     for r in rows:
         if "not_runnable" in r:
-            out.append(f"{r['ws']:>2} {r['config']:<15} | not runnable: {r['not_runnable']}")
+            out.append(f"{r['ws']:>2} {r['config']:<16} | not runnable: {r['not_runnable']}")
             continue
         b = base.get(r["ws"])
         out.append(
-            f"{r['ws']:>2} {r['config']:<15} | {r['step_ms']:>8.2f} {r['step_iqr_ms']:>6.2f} {r['local_ms']:>8.2f}"
+            f"{r['ws']:>2} {r['config']:<16} | {r['step_ms']:>8.2f} {r['step_iqr_ms']:>6.2f} {r['local_ms']:>8.2f}"
             f" {r['exposed_comm_ms']:>15.2f} | {fmt_bytes(r['wire_bytes_per_step']):>10} {r['wire_kind']:<8}"
             f" {launches_str(r):>11} | {ratio(r['step_ms'], b['step_ms']) if b else '-':>6}"
             f" {ratio(r['wire_bytes_per_step'], b['wire_bytes_per_step']) if b else '-':>6}")

@@ -322,11 +322,14 @@ VARIANTS = [
 ]
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["buckets", "early"])
 @pytest.mark.parametrize("var", VARIANTS, ids=lambda v: ",".join(map(str, v)) or "default")
-def test_ws1_modes_exact_and_launches(ws1_group, var):
+def test_ws1_modes_exact_and_launches(ws1_group, var, early):
     """Tiny buckets: coalescing (groups over several buckets) and splitting (buckets over
     several groups, iteration 1's one big bucket); outputs written to the right places;
-    one launch per group per step; launched in the call that hands the group's last param."""
+    one launch per group per step; launched in the call that hands the group's last param
+    (early launch: by that call at the latest, and before it for some group once the launch
+    order is learned, from step 3)."""
     fake = ws1_group(True)
     torch.manual_seed(0)
     model = hw.TinyLM(fp64=var.get("fp64", False), unused=var.get("unused", False))
@@ -339,16 +342,24 @@ def test_ws1_modes_exact_and_launches(ws1_group, var):
     if cap is not None:
         kw["bucket_cap_mb"] = cap
     ddp = DDP(model, **kw)
-    state = hooks.BF16ErrorFeedbackState(ddp, layers_per_group=2)
+    state = hooks.BF16ErrorFeedbackState(ddp, layers_per_group=2, early_launch=early)
     calls_per_bucket = []
+    launched_total = [0] * 99
 
     def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         before = {g["group"]: g["launches_total"] for g in state.stats()["groups"]}
+        if early:  # launched since the last bucket call: early, from a post-accumulate-grad hook
+            calls_per_bucket[-1].append(
+                ([g for g in before if before[g] != launched_total[g]], set()))
+        for g in before:
+            launched_total[g] = before[g]
         fut = hooks.bf16_error_feedback_hook(state, bucket)
         after = {g["group"]: g["launches_total"] for g in state.stats()["groups"]}
         names = {id(p) for p in bucket.parameters()}
         calls_per_bucket[-1].append(
             ([g for g in after if after[g] != before[g]], names))
+        for g in after:
+            launched_total[g] = after[g]
         return fut
 
     ddp.register_comm_hook(state, hook)
@@ -369,20 +380,94 @@ def test_ws1_modes_exact_and_launches(ws1_group, var):
         launched = [g for gs, _ in calls_per_bucket[-1] for g in gs]
         assert sorted(launched) == list(range(n_groups)), (step, launched)
         assert state.stats()["totals"]["launches_per_step"] == n_groups
-        # each group is launched in the bucket call that hands its last parameter
-        seen, done = set(), set()
+        # each group is launched in the bucket call that hands its last parameter (early: by it)
+        seen, done, before_bucket = set(), set(), set()
         for gs, ids in calls_per_bucket[-1]:
             seen |= ids
             now = {g for g in range(n_groups) if g not in done and members[g] <= seen}
-            assert set(gs) == now, (step, gs, now)
-            done |= now
+            if early:
+                assert now <= set(gs) | done, (step, gs, now, done)
+                before_bucket |= set(gs) - now
+                done |= set(gs)
+            else:
+                assert set(gs) == now, (step, gs, now)
+                done |= now
+        if early and step >= 3 and not var:
+            assert before_bucket, f"step {step}: no group launched before its last bucket"
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-    n_buckets = [len(c) for c in calls_per_bucket]
+    n_buckets = [len([c for c in call if c[1]]) for call in calls_per_bucket]
     if cap is not None and not var.get("find_unused"):
         first = 2 if var.get("fp64") else 1  # one big bucket per dtype, then rebuilt
         assert n_buckets[0] == first and n_buckets[-1] > n_groups, n_buckets
     assert state.stats()["totals"]["steps"] == 4
+
+
+def test_ws1_early_launch_sees_a_rewritten_grad(ws1_group):
+    """A post-accumulate-grad hook registered after xirang's that rewrites .grad: the early
+    launch read the old value, so the bucket call raises naming the parameter (never a silently
+    different reduction); early_launch=False reduces the rewritten value."""
+    ws1_group(True)
+    for early in (True, False):
+        torch.manual_seed(0)
+        model = hw.TinyLM()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        state = hooks.register_comm_hook(ddp, layers_per_group=2, early_launch=early)
+        target = model.blocks[0].fc.weight
+        name = next(n for n, p in model.named_parameters() if p is target)
+        def double(p):
+            p.grad.mul_(2.0)
+
+        target.register_post_accumulate_grad_hook(double)
+        err = None
+        for step in range(5):
+            try:
+                hw.lm_loss(ddp, hw.lm_batch(step, 0)).backward()
+            except RuntimeError as e:
+                err = (step, str(e))
+                break
+            model.zero_grad(set_to_none=True)
+        if early:
+            assert err is not None and err[0] == 3, err  # the first early step (DDP's fourth)
+            assert name in err[1] and "early_launch=False" in err[1], err
+        else:
+            assert err is None, err
+            assert state.stats()["totals"]["steps"] == 5
+
+
+def test_ws1_gradient_accumulated_twice_turns_early_launch_off(ws1_group):
+    """Reentrant checkpointing of two segments sharing a block: that block's gradient is
+    accumulated twice per backward, so this rank never reads .grad early; gradients exact."""
+    from torch.utils.checkpoint import checkpoint
+
+    ws1_group(True)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, x):
+            b = self.blocks
+            x = checkpoint(lambda t: b[1](b[0](t)), x, use_reentrant=True)
+            x = checkpoint(lambda t: b[1](b[2](t)), x, use_reentrant=True)  # b[1] again
+            return b[3](x).pow(2).mean()
+
+    torch.manual_seed(0)
+    model, ref = Twice(), Twice()
+    ref.load_state_dict(model.state_dict())
+    ddp = DDP(model, static_graph=True, bucket_cap_mb=0.001)
+    state = hooks.register_comm_hook(ddp, layers_per_group=1)
+    for step in range(6):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        ddp(x).backward()
+        ref(x.detach().requires_grad_()).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=f"step {step}: {n}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert state._early_ok is False
+    assert state.stats()["totals"]["steps"] == 6
 
 
 def test_ws1_state_dict_roundtrip_and_pickle(ws1_group):

@@ -129,6 +129,7 @@ class Checkpointing:
             "error_feedback": self.error_feedback,
             "wire": self.wire,
             "measure_readiness": self.measure_readiness,
+            "early_launch": self.early_launch,
             "auto_calibration_steps": self._auto.calibration_steps if self._auto is not None else None,
             "state_dict": self.state_dict(),
         }
@@ -140,6 +141,7 @@ class Checkpointing:
         self.error_feedback = d["error_feedback"]
         self.wire = d.get("wire", "bf16")  # states pickled before fp16 / int8 existed
         self.measure_readiness = d["measure_readiness"]
+        self.early_launch = d.get("early_launch", True)  # states pickled before early launch
         self._auto = None
         if self.layers_per_group == "auto":
             from .autogroup import CALIBRATION_STEPS, AutoGroup  # noqa: PLC0415

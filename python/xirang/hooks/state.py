@@ -57,10 +57,13 @@ def _backend_for(process_group: Optional[dist.ProcessGroup]) -> Any:
 class _GroupStep:
     """One group's progress within one synced step."""
 
-    __slots__ = ("arrived", "done", "t_first", "t_ready", "t_launch", "t_done", "seq", "finite", "launched")
+    __slots__ = ("arrived", "handed", "early", "done", "t_first", "t_ready", "t_launch", "t_done", "seq", "finite",
+                 "launched")
 
     def __init__(self):
-        self.arrived = 0
+        self.arrived = 0  # slots whose gradient is packed or marked early (ready when all are)
+        self.handed = 0  # slots DDP has handed in buckets (the bucket order: when all are)
+        self.early: List[Slot] = []  # slots ready before their bucket: packed from .grad at launch
         self.done: Optional[torch.futures.Future] = None
         self.t_first: Optional[float] = None
         self.t_ready: Optional[float] = None
@@ -74,7 +77,12 @@ class _GroupStep:
 class _Step:
     def __init__(self, n_groups: int, calibrating: bool = False):
         self.groups = [_GroupStep() for _ in range(n_groups)]
-        self.arrived_ids: set = set()
+        self.arrived_ids: set = set()  # handed in buckets
+        self.early_ids: set = set()  # accumulated before their bucket (early launch)
+        self.bucket_order: List[int] = []  # groups by the bucket call that handed their last slot
+        self.order: List[int] = []  # the launch order of this step ([]: launch when ready)
+        self.next_launch = 0  # groups order[:next_launch] are launched
+        self.early_seen: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(param) -> (.grad, its version)
         self.t_first: Optional[float] = None
         # layers_per_group="auto" while calibrating: layer position (-1: params in no layer) ->
         # perf_counter time of the hook call that handed its last gradient so far.
@@ -115,7 +123,13 @@ class BF16ErrorFeedbackState(Checkpointing):
             the group exists already, else at the first hook call).
         error_feedback: ``False`` never commits residuals (plain bf16 ring, for ablations).
         measure_readiness: register a post-accumulate-grad hook on every parameter to time
-            true group readiness (one Python call per parameter per backward, ~1 us each).
+            true group readiness (one Python call per parameter per backward, ~1 us each);
+            early launch stands on these hooks.
+        early_launch: reduce a group as soon as backward has accumulated its gradients, before
+            DDP hands their bucket (see "Early launch" below; needs ``measure_readiness`` and a
+            DDP wrapper). ``False``: launch from buckets only. Turn it off when another
+            post-accumulate-grad hook rewrites ``.grad`` after xirang's (the hook raises a
+            ``RuntimeError`` naming the parameter if it sees that).
         wire: the compressed tensors' wire format, each with complete error feedback
             (``ValueError`` for another value):
 
@@ -142,6 +156,16 @@ class BF16ErrorFeedbackState(Checkpointing):
     bucket order: DDP's bucket rebuild after iteration 1 and a checkpoint restore leave every
     group's packing, chunk ownership and summation order unchanged.
 
+    Early launch: a group is reduced as soon as backward has accumulated all its gradients
+    (``measure_readiness``'s post-accumulate-grad hooks, in a backward whose forward ran outside
+    ``no_sync``), before DDP hands the bucket that holds them: with DDP's default 25 MiB buckets
+    the model's first layers would otherwise wait for the end of backward. Launches follow the
+    order in which the previous two steps' buckets completed the groups (identical on every rank,
+    as DDP's bucket layout is), so ranks that launch early and ranks that wait for buckets (a rank
+    in ``join``) issue the same sequence; a group that is ready before its predecessors waits for
+    them. Until that order is learned (DDP's first steps, and after a regroup) groups launch from
+    buckets. Every rank must pass the same ``early_launch``.
+
     Step semantics: a synced step ends at the hook call that hands the last parameter requiring
     grad (or DDP's last bucket). Residual updates are staged by the backend and committed when
     the step's last group completes, only if every group's output is finite; otherwise every
@@ -159,6 +183,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         measure_readiness: bool = True,
         wire: str = "bf16",
         auto_calibration_steps: int = CALIBRATION_STEPS,
+        early_launch: bool = True,
     ):
         if isinstance(layers_per_group, str):
             if layers_per_group != "auto":
@@ -182,6 +207,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         self.wire = wire
         self.error_feedback = bool(error_feedback)
         self.measure_readiness = bool(measure_readiness)
+        self.early_launch = bool(early_launch)
         self._user_layers = list(layers) if layers is not None else None
         self.process_group = process_group
         self._init_runtime()
@@ -204,6 +230,14 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._t_last_hook_return: Optional[float] = None
         self._pending_residuals: Optional[Dict[str, torch.Tensor]] = None
         self._pending_meta: Optional[Dict[str, Any]] = None
+        # Early launch: the launch order learned from the last step's buckets ([] until one
+        # completed), and whether the last forward of the DDP wrapper will sync its backward.
+        self._order: List[int] = []
+        self._last_bucket_order: List[int] = []
+        self._armed = False
+        self._early_ok = True  # False once a gradient was seen accumulated twice in one backward
+        self._seen_now: set = set()  # params accumulated in this backward (since the last forward)
+        self._fwd_handle: Any = None
         self.steps = 0
         self.skipped_steps = 0
         self.world_size: Optional[int] = None
@@ -226,10 +260,16 @@ class BF16ErrorFeedbackState(Checkpointing):
         for h in self._ready_handles:
             h.remove()
         self._ready_handles = []
+        if self._fwd_handle is not None:
+            self._fwd_handle.remove()
+            self._fwd_handle = None
+        self._order = self._last_bucket_order = []
         self._root = root
         self._ddp = ddp
         self._build_groups(root, ddp)
         if self.measure_readiness:
+            if ddp is not None:
+                self._fwd_handle = ddp.register_forward_hook(_ArmEarly(self))
             for key, s in self._slots.items():
                 if hasattr(s.param, "register_post_accumulate_grad_hook"):
                     self._ready_handles.append(
@@ -260,6 +300,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         if self._auto is not None and not self._auto.decided:
             self._auto_lpg = layers_per_group
         self._build_groups(self._root, self._ddp, warn=False)
+        self._order = self._last_bucket_order = []  # the new groups' order is learned from their buckets
         for key, s in self._slots.items():  # grad-ready stamps of this backward so far
             t = ready.get(key)
             if t is not None and (s.group.grad_ready_t is None or t > s.group.grad_ready_t):
@@ -307,6 +348,79 @@ class BF16ErrorFeedbackState(Checkpointing):
 
     # -- the hook body ----------------------------------------------------------------------
 
+    def _new_step(self, t0: float) -> _Step:
+        """Starts a synced step's bookkeeping at its first hook call (bucket or early mark)."""
+        if self._auto is not None and (not self._auto.decided or self._auto.pending is not None):
+            self._auto_step_start()
+        calibrating = self._auto is not None and not self._auto.decided
+        step = self._step = _Step(len(self._groups), calibrating)
+        step.t_first = t0
+        step.order = self._order if self.early_launch and len(self._order) == len(self._groups) else []
+        return step
+
+    def _open_group(self, step: _Step, g: Group, t0: float) -> _GroupStep:
+        gs = step.groups[g.index]
+        if gs.t_first is None:
+            gs.t_first = t0
+            gs.done = torch.futures.Future()
+            g.ensure_buffers()
+        return gs
+
+    def _group_ready(self, step: _Step, g: Group, gs: _GroupStep, t0: float) -> None:
+        """All of g's slots are packed or marked early: launch it, or, in a step with a launch
+        order, every group of the order whose turn has come."""
+        gs.t_ready = t0
+        if not step.order:
+            self._launch(g, gs)
+            return
+        while step.next_launch < len(step.order):
+            nxt = step.order[step.next_launch]
+            ng, ngs = self._groups[nxt], step.groups[nxt]
+            if not ngs.launched:
+                if ngs.t_first is None or ngs.arrived < len(ng.slots):
+                    return
+                self._launch(ng, ngs)
+            step.next_launch += 1
+
+    def _early_mark(self, s: Slot) -> None:
+        """Post-accumulate-grad hook of a slot's parameter (early launch, see the class doc)."""
+        if not (self._armed and self.early_launch and self._early_ok and self._backend is not None):
+            return
+        grad = s.param.grad
+        step = self._step
+        pid = id(s.param)
+        if step is not None and pid in step.early_ids:
+            raise RuntimeError(
+                f"bf16_error_feedback_hook: the gradient of {s.fqn} was accumulated twice in one backward "
+                "after an early launch had read it (reentrant checkpointing?); pass early_launch=False")
+        learning = len(self._order) != len(self._groups) or (
+            self._auto is not None and (not self._auto.decided or self._auto.pending is not None))
+        twice = pid in self._seen_now
+        self._seen_now.add(pid)
+        if twice:  # accumulated twice in one backward (reentrant checkpointing): never read .grad early
+            self._early_ok = False
+            log.info("xirang hook: early launch off on this rank: the gradient of %s is accumulated more than "
+                     "once per backward", s.fqn)
+            return
+        if learning or self._slots.get(pid) is not s or grad is None or grad.dtype != s.dtype \
+                or grad.layout != torch.strided:
+            return
+        t0 = time.perf_counter()
+        if step is None:
+            step = self._new_step(t0)
+            if not step.order:
+                return
+        if pid in step.arrived_ids:
+            return
+        g = s.group
+        gs = self._open_group(step, g, t0)
+        step.early_ids.add(pid)
+        step.early_seen[pid] = (grad, grad._version)
+        gs.early.append(s)
+        gs.arrived += 1
+        if gs.arrived == len(g.slots):
+            self._group_ready(step, g, gs, t0)
+
     def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         t0 = time.perf_counter()
         if self._root is None:
@@ -327,11 +441,7 @@ class BF16ErrorFeedbackState(Checkpointing):
             )
             step = None
         if step is None:
-            if self._auto is not None and (not self._auto.decided or self._auto.pending is not None):
-                self._auto_step_start()
-            calibrating = self._auto is not None and not self._auto.decided
-            step = self._step = _Step(len(self._groups), calibrating)
-            step.t_first = t0
+            step = self._new_step(t0)
         grads = bucket.gradients()
         if len(grads) != len(params):
             raise RuntimeError(f"bucket has {len(params)} parameters but {len(grads)} gradients")
@@ -354,31 +464,38 @@ class BF16ErrorFeedbackState(Checkpointing):
                     "rebuild the state after changing parameter dtypes"
                 )
             g = s.group
-            gs = step.groups[g.index]
-            if gs.t_first is None:
-                gs.t_first = t0
-                gs.done = torch.futures.Future()
-                g.ensure_buffers()
-            pack_dst.append(s.view)
-            pack_src.append(grad.reshape(-1))
+            gs = self._open_group(step, g, t0)
             if step.layer_t is not None:
                 step.layer_t[s.layer] = t0
             parts.setdefault(g.index, []).append((s, grad))
-            gs.arrived += 1
             step.arrived_ids.add(id(p))
-            if gs.arrived == len(g.slots):
-                # Launch as soon as the group's last gradient is packed, before packing the
-                # rest of the bucket: the order follows the bucket's parameter order, which
-                # DDP makes identical on every rank.
-                gs.t_ready = t0
-                _flush_copies(pack_dst, pack_src)
-                self._launch(g, gs)
+            seen = step.early_seen.pop(id(p), None)
+            if seen is not None:  # packed from .grad at launch: it must be what DDP hands now
+                old, version = seen
+                if old._version != version or not (p.grad is old or torch.equal(old, grad)):
+                    raise RuntimeError(
+                        f"bf16_error_feedback_hook: the gradient of {s.fqn} changed after its early launch "
+                        "read it (another post-accumulate-grad hook?); pass early_launch=False")
+            else:
+                pack_dst.append(s.view)
+                pack_src.append(grad.reshape(-1))
+                gs.arrived += 1
+                if gs.arrived == len(g.slots):
+                    # Launch as soon as the group's last gradient is packed, before packing the
+                    # rest of the bucket: the order follows the bucket's parameter order, which
+                    # DDP makes identical on every rank.
+                    _flush_copies(pack_dst, pack_src)
+                    self._group_ready(step, g, gs, t0)
+            gs.handed += 1
+            if gs.handed == len(g.slots):
+                step.bucket_order.append(g.index)
         _flush_copies(pack_dst, pack_src)
 
         step_end = bool(bucket.is_last()) or len(step.arrived_ids) >= len(self._expected)
         if step_end:
             flush = [
-                i for i, gs in enumerate(step.groups) if gs.t_first is not None and not gs.launched
+                i for i, gs in enumerate(step.groups)
+                if gs.t_first is not None and not gs.launched and gs.arrived < len(self._groups[i].slots)
             ]
             if flush and not self._warned_flush:
                 self._warned_flush = True
@@ -389,9 +506,18 @@ class BF16ErrorFeedbackState(Checkpointing):
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            for gi in flush:
-                step.groups[gi].t_ready = t0
-                self._launch(self._groups[gi], step.groups[gi])
+            rest = [i for i in step.order if i < len(step.groups)] + list(range(len(step.groups)))
+            for gi in rest:
+                gs = step.groups[gi]
+                if gs.t_first is not None and not gs.launched:
+                    gs.t_ready = t0
+                    self._launch(self._groups[gi], gs)
+            # The launch order of the next step: this step's bucket order (DDP's layout, the same
+            # on every rank) once two steps after DDP's first agree on it (DDP rebuilds its buckets
+            # after the first step, with static_graph after the second).
+            bo = step.bucket_order if len(step.bucket_order) == len(self._groups) and self.steps > 0 else []
+            self._order = bo if bo == self._last_bucket_order else []
+            self._last_bucket_order = bo
 
         deps_idx = sorted(parts)
         if step_end:
@@ -406,6 +532,9 @@ class BF16ErrorFeedbackState(Checkpointing):
 
     def _launch(self, g: Group, gs: _GroupStep) -> None:
         gs.launched = True
+        if gs.early:  # slots marked early: their .grad, one foreach copy
+            torch._foreach_copy_([x.view for x in gs.early], [x.param.grad.reshape(-1) for x in gs.early])
+            gs.early = []
         gs.t_launch = time.perf_counter()
         try:
             # One backend operation per group: the compressed ring for the matrices, then the
@@ -460,6 +589,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         return buf
 
     def _commit(self, step: _Step) -> None:
+        self._armed = False  # the next backward reads .grad early only after a new forward
         launched = [(self._groups[i], gs) for i, gs in enumerate(step.groups) if gs.launched]
         finite = all(gs.finite for _, gs in launched)
         if finite and self.error_feedback:
@@ -634,3 +764,23 @@ class _ReadyMark:
         s = self.state._slots.get(self.key)
         if s is not None:
             s.group.grad_ready_t = time.perf_counter()
+            self.state._early_mark(s)
+
+
+class _ArmEarly:
+    """Forward hook of the DDP wrapper: the next backward syncs (early launch may read .grad)
+    when this forward ran with grad enabled outside ``no_sync``."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: BF16ErrorFeedbackState):
+        self.state = state
+
+    def __call__(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        st = self.state
+        st._armed = bool(torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", False))
+        st._seen_now = set()
+        if st._armed and st._step is not None and st._step.early_ids:
+            warnings.warn("bf16_error_feedback_hook: the previous backward did not finish its step (interrupted?); "
+                          "discarding it", RuntimeWarning, stacklevel=2)
+            st._step = None
