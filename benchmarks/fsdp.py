@@ -6,6 +6,9 @@ one after the other in one torchrun job, same seed and batches; rank 0 prints a 
     torchrun --nproc_per_node=2 benchmarks/fsdp.py --task text --steps 300
     torchrun --nproc_per_node=2 benchmarks/fsdp.py --task text --steps 100 --wires fp32,bf16
     torchrun --nproc_per_node=2 benchmarks/fsdp.py --task text --steps 200 --wires fp32,int8-noef,int8
+    sudo python3 tests/cluster/netns --ranks-per-host 1 -- .venv/bin/python benchmarks/fsdp.py \
+        --task text --steps 12 --warmup-steps 2 --width 384 --depth 6 --wires fp32,bf16,int8
+                                       # the emulated cluster: 2 racks x 2 hosts, slow uplinks
 
 Every flag of examples/train.py applies to all runs (not --fsdp-wire, --hook, --save, --resume,
 --elastic). Rows: final loss (mean of the last 20 steps' global loss), held-out perplexity (per
