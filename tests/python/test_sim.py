@@ -387,8 +387,16 @@ def test_calibrate_reads_allreduce_benchmark_output(tmp_path):
     p = subprocess.run([sys.executable, str(bench), "--ws", "2", "--sizes", "1M-4M", "--reps", "3", "--warmup", "1",
                         "--iters", "2", "--no-ceiling", "--json", str(out)], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    raw = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    raw = doc["rows"]
     assert len(raw) >= 2
+    # The file as the benchmark wrote it, except each time: on 2 shared, loaded cores 4 MiB can
+    # take less time than 1 MiB (a negative beta, which calibrate rightly rejects), and the fit is
+    # not what this test is about. Times from 50 us + 1 ns/B, at each row's own place in the file.
+    for r in raw:
+        for backend in ("xirang", "gloo"):
+            r[backend]["time_us"] = 50.0 + 1e-3 * r["bytes"] * (1.0 + 0.01 * r["ws"])
+    out.write_text(json.dumps(doc))
     for backend in ("xirang", "gloo"):
         d = sim.calibrate(str(out), backend, cores=2)
         got = {(r["ws"], r["bytes"]): r["measured_s"] for r in d["rows"]}
