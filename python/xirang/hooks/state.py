@@ -83,6 +83,7 @@ class _Step:
         self.order: List[int] = []  # the launch order of this step ([]: launch when ready)
         self.next_launch = 0  # groups order[:next_launch] are launched
         self.early_seen: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(param) -> (.grad, its version)
+        self.forward = 0  # the state's forward count when the step began
         self.t_first: Optional[float] = None
         # layers_per_group="auto" while calibrating: layer position (-1: params in no layer) ->
         # perf_counter time of the hook call that handed its last gradient so far.
@@ -237,6 +238,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._armed = False
         self._early_ok = True  # False once a gradient was seen accumulated twice in one backward
         self._seen_now: set = set()  # params accumulated in this backward (since the last forward)
+        self._forwards = 0  # forwards of the DDP wrapper (a step belongs to the one before it)
         self._fwd_handle: Any = None
         self.steps = 0
         self.skipped_steps = 0
@@ -356,6 +358,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         step = self._step = _Step(len(self._groups), calibrating)
         step.t_first = t0
         step.order = self._order if self.early_launch and len(self._order) == len(self._groups) else []
+        step.forward = self._forwards
         return step
 
     def _open_group(self, step: _Step, g: Group, t0: float) -> _GroupStep:
@@ -389,6 +392,8 @@ class BF16ErrorFeedbackState(Checkpointing):
         grad = s.param.grad
         step = self._step
         pid = id(s.param)
+        if step is not None and step.forward != self._forwards:
+            return  # a step left by an interrupted backward: the bucket path discards it
         if step is not None and pid in step.early_ids:
             raise RuntimeError(
                 f"bf16_error_feedback_hook: the gradient of {s.fqn} was accumulated twice in one backward "
@@ -780,6 +785,7 @@ class _ArmEarly:
         st = self.state
         st._armed = bool(torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", False))
         st._seen_now = set()
+        st._forwards += 1
         if st._armed and st._step is not None and st._step.early_ids:
             warnings.warn("bf16_error_feedback_hook: the previous backward did not finish its step (interrupted?); "
                           "discarding it", RuntimeWarning, stacklevel=2)
