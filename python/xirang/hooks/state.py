@@ -83,7 +83,6 @@ class _Step:
         self.order: List[int] = []  # the launch order of this step ([]: launch when ready)
         self.next_launch = 0  # groups order[:next_launch] are launched
         self.early_seen: Dict[int, Tuple[torch.Tensor, int]] = {}  # id(param) -> (.grad, its version)
-        self.forward = 0  # the state's forward count when the step began
         self.t_first: Optional[float] = None
         # layers_per_group="auto" while calibrating: layer position (-1: params in no layer) ->
         # perf_counter time of the hook call that handed its last gradient so far.
@@ -238,7 +237,6 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._armed = False
         self._early_ok = True  # False once a gradient was seen accumulated twice in one backward
         self._seen_now: set = set()  # params accumulated in this backward (since the last forward)
-        self._forwards = 0  # forwards of the DDP wrapper (a step belongs to the one before it)
         self._fwd_handle: Any = None
         self.steps = 0
         self.skipped_steps = 0
@@ -350,15 +348,24 @@ class BF16ErrorFeedbackState(Checkpointing):
 
     # -- the hook body ----------------------------------------------------------------------
 
+    def _auto_busy(self) -> bool:
+        """layers_per_group="auto" is calibrating, or has a calibration step still to take in."""
+        return self._auto is not None and (not self._auto.decided or self._auto.pending is not None)
+
+    def _launch_order(self) -> List[int]:
+        """The launch order of a step starting now ([]: launch each group when ready, from buckets)."""
+        if not self.early_launch or len(self._order) != len(self._groups) or self._auto_busy():
+            return []
+        return self._order
+
     def _new_step(self, t0: float) -> _Step:
         """Starts a synced step's bookkeeping at its first hook call (bucket or early mark)."""
-        if self._auto is not None and (not self._auto.decided or self._auto.pending is not None):
+        if self._auto_busy():
             self._auto_step_start()
         calibrating = self._auto is not None and not self._auto.decided
         step = self._step = _Step(len(self._groups), calibrating)
         step.t_first = t0
-        step.order = self._order if self.early_launch and len(self._order) == len(self._groups) else []
-        step.forward = self._forwards
+        step.order = self._launch_order()
         return step
 
     def _open_group(self, step: _Step, g: Group, t0: float) -> _GroupStep:
@@ -392,14 +399,10 @@ class BF16ErrorFeedbackState(Checkpointing):
         grad = s.param.grad
         step = self._step
         pid = id(s.param)
-        if step is not None and step.forward != self._forwards:
-            return  # a step left by an interrupted backward: the bucket path discards it
         if step is not None and pid in step.early_ids:
             raise RuntimeError(
                 f"bf16_error_feedback_hook: the gradient of {s.fqn} was accumulated twice in one backward "
                 "after an early launch had read it (reentrant checkpointing?); pass early_launch=False")
-        learning = len(self._order) != len(self._groups) or (
-            self._auto is not None and (not self._auto.decided or self._auto.pending is not None))
         twice = pid in self._seen_now
         self._seen_now.add(pid)
         if twice:  # accumulated twice in one backward (reentrant checkpointing): never read .grad early
@@ -407,14 +410,12 @@ class BF16ErrorFeedbackState(Checkpointing):
             log.info("xirang hook: early launch off on this rank: the gradient of %s is accumulated more than "
                      "once per backward", s.fqn)
             return
-        if learning or self._slots.get(pid) is not s or grad is None or grad.dtype != s.dtype \
-                or grad.layout != torch.strided:
-            return
+        if not (step.order if step is not None else self._launch_order()) or grad is None \
+                or grad.dtype != s.dtype or grad.layout != torch.strided:
+            return  # still learning the order (or a step without one), or a gradient DDP would convert
         t0 = time.perf_counter()
         if step is None:
             step = self._new_step(t0)
-            if not step.order:
-                return
         if pid in step.arrived_ids:
             return
         g = s.group
@@ -785,8 +786,7 @@ class _ArmEarly:
         st = self.state
         st._armed = bool(torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", False))
         st._seen_now = set()
-        st._forwards += 1
-        if st._armed and st._step is not None and st._step.early_ids:
+        if st._armed and st._step is not None:  # a step is open only inside a backward
             warnings.warn("bf16_error_feedback_hook: the previous backward did not finish its step (interrupted?); "
                           "discarding it", RuntimeWarning, stacklevel=2)
             st._step = None
