@@ -14,7 +14,9 @@ per configuration, each from the same seed (identical initial weights, identical
 
     gloo            DDP default on the gloo group (C++ allreduce, default buckets)
     xirang          DDP default on the xirang group (no hook)
-    xirang_hook     xirang + xirang.register_comm_hook(ddp, layers_per_group=8) (default buckets)
+    xirang_hook     xirang + xirang.register_comm_hook(ddp, layers_per_group=8) (default buckets;
+                    on one host over shared memory it averages DDP's buckets in place,
+                    local_average: XIRANG_TRANSPORT_LOCAL=tcp times the layer groups)
     xirang_hook_late  the same with early_launch=False: groups launch when DDP hands their last
                     bucket, not when backward has accumulated their gradients
     xirang_hook_bc  the same with bucket_cap_mb=--hook-bucket-cap-mb (0.25: the setting the hook's

@@ -336,11 +336,14 @@ def _train_in_group(args, launch: Launch, data, device, xirang, tag: str, after)
         f"throughput_{unit}_per_s": per_step / step_s,
         "bytes_wire_per_step": hook["totals"]["bytes_wire_per_step"] if hook else ring_bytes,
         "bytes_wire_how": (("reported by xirang.fsdp's stats() (reduce-scatter only; FSDP's all-gathers not counted)"
-                            if args.fsdp else "reported by state.stats()") if hook
+                            if args.fsdp else "reported by state.stats()" + (
+                                "; one host: DDP's fp32 buckets averaged in place over shared memory"
+                                if hook["totals"].get("path") == "local" else "")) if hook
                            else "computed: ring allreduce 2(N-1)/N x fp32 gradient bytes"),
         "bytes_raw_per_step": hook["totals"]["bytes_raw_per_step"] if hook else ring_bytes,
         "exposed_comm_s_hook": hook["totals"].get("mean_exposed_comm_s") if hook else None,
         "launches_per_step": hook["totals"].get("launches_per_step") if hook else None,
+        "hook_path": hook["totals"].get("path") if hook else None,  # "local": one host, buckets in place
         "fsdp_wire": args.fsdp_wire if args.fsdp else None,
         "residual_bytes": hook["totals"].get("residual_bytes") if hook else None,
         "threads_per_rank": torch.get_num_threads(), "device": str(device), "torch": torch.__version__,

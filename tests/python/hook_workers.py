@@ -90,6 +90,7 @@ class FakeEFBackend:
         self.exact = exact
         self.calls = []
         self.ring = list(range(dist.get_world_size(pg)))
+        self.shm_ranks = []  # no shared-memory domain: the hook takes its layer-group path
 
     def allreduce_ef(self, buffer, residual, staged, group_id, label="", plain=(), wire="bf16"):
         assert wire == "bf16", f"the stand-in emulates the bf16 wire only, got {wire!r}"
@@ -122,7 +123,7 @@ class FakeEFBackend:
 FAKE = {}
 
 
-def setup(rank, ws, port, kind, exact=False, threads=1):
+def setup(rank, ws, port, kind, exact=False, threads=1, transport=None):
     torch.set_num_threads(threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -132,7 +133,8 @@ def setup(rank, ws, port, kind, exact=False, threads=1):
         # These scenarios check the hook's BF16 error-feedback wire, which ranks on different
         # hosts use. On one host the default (auto) runs the hook's op as an exact fp32 average
         # over shared memory instead (residuals stay 0; test_shm.test_hook_op_is_fp32_over_shm).
-        os.environ.setdefault("XIRANG_TRANSPORT_LOCAL", "tcp")
+        # A scenario's cfg["transport"] ("auto", "shm") runs it on one host's shared memory.
+        os.environ.setdefault("XIRANG_TRANSPORT_LOCAL", transport or "tcp")
     dist.init_process_group(
         backend, rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=60)
     )
@@ -272,6 +274,13 @@ def sc_direct(rank, ws, hooks, out, cfg):
     state = hooks.register_comm_hook(ddp, layers_per_group=cfg.get("lpg", 8),
                                      **cfg.get("state_kw", {}))
     rec = {"steps": []}
+    if cfg.get("init_residuals"):  # this rank's residuals before step 0, through load_state_dict
+        g = torch.Generator().manual_seed(101 + rank)
+        sd = state.state_dict()
+        sd["residuals"] = {n: torch.randn(p.shape, generator=g) * cfg["init_residuals"]
+                           for n, p in model.named_parameters() if n in {c for gr in state.groups for c in gr["compressed"]}}
+        state.load_state_dict(sd)
+        rec["r0"] = {k: v.clone() for k, v in state.residuals.items()}
     sum_x = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     sum_y = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     for step in range(cfg["steps"]):
@@ -603,7 +612,7 @@ SCENARIOS = {
 def _entry(rank, ws, port, kind, scenario, out, cfg):
     try:
         hooks = setup(rank, ws, port, kind, exact=cfg.get("exact", False),
-                      threads=cfg.get("threads", 1))
+                      threads=cfg.get("threads", 1), transport=cfg.get("transport"))
         SCENARIOS[scenario](rank, ws, hooks, out, cfg)
         dist.destroy_process_group()
     except BaseException:

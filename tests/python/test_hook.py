@@ -642,6 +642,77 @@ def test_all_1d_model_equals_plain_average(kind):
             assert torch.equal(y0, (x0 + x1) / 2) and torch.equal(y0, y1)
 
 
+LOCAL_SHAPES = [(64, 64), (40, 50), (10,)]
+
+
+def _fp64_average(recs, step, i, with_r0=False):
+    """sum_q x_q / N in fp64 (plus sum_q r0_q for a compressed tensor given its name)."""
+    n = len(recs)
+    want = sum(r["steps"][step]["x"][i].double() for r in recs) / n
+    if with_r0:
+        want = want + sum(r["r0"][with_r0].double() for r in recs)
+    return want
+
+
+def _close_fp32(y, want):
+    """Within a few fp32 roundings of the fp64 value (an fp32 sum of N terms, then / N)."""
+    return float((y.double() - want).abs().max()) <= 4 * 1.2e-7 * float(want.abs().max() + 1e-30)
+
+
+@needs_real
+@pytest.mark.parametrize("ws", [2, 3])
+def test_one_host_averages_buckets_in_place(ws):
+    """local_average: all ranks on one host's shared memory -> one backend op per DDP bucket, the
+    fp32 average of the ranks' gradients (fp64 reference), bitwise equal on all ranks, residuals 0;
+    local_average=False keeps the layer groups (same averages: the group op is exact there)."""
+    recs = _run("direct", ws, kind="xirang", shapes=LOCAL_SHAPES, steps=3, lpg=1, bucket_cap_mb=0.01,
+                transport="auto")
+    grp = _run("direct", ws, kind="xirang", shapes=LOCAL_SHAPES, steps=3, lpg=1, bucket_cap_mb=0.01,
+               transport="auto", state_kw={"local_average": False})
+    for rec, g in zip(recs, grp):
+        assert rec["stats"]["totals"]["path"] == "local" and g["stats"]["totals"]["path"] == "groups"
+        assert all(gr["launches_per_step"] == 0 for gr in rec["stats"]["groups"])
+        ops = [r for r in rec["records"] if r["op"].startswith("allreduce_") and r["op"].endswith("_ef")]
+        assert ops and all(r["label"].startswith("bucket ") and r["bytes_shm"] > 0 and r["bytes_tcp"] == 0
+                           for r in ops), ops
+        assert rec["stats"]["totals"]["launches_per_step"] == len(ops) // 3  # one op per bucket per step
+        want_bytes = 4 * sum(math.prod(s) for s in LOCAL_SHAPES) * 2 * (ws - 1) / ws
+        assert rec["stats"]["totals"]["bytes_wire_per_step"] == pytest.approx(want_bytes)
+        assert all(int(torch.count_nonzero(v)) == 0 for v in rec["res"].values())
+        for step in range(3):
+            for i in range(len(LOCAL_SHAPES)):
+                y = rec["steps"][step]["y"][i]
+                assert torch.equal(y, recs[0]["steps"][step]["y"][i]), (step, i)
+                assert _close_fp32(y, _fp64_average(recs, step, i)), (step, i)
+                assert _close_fp32(g["steps"][step]["y"][i], _fp64_average(grp, step, i)), (step, i)
+
+
+@needs_real
+@pytest.mark.parametrize("bad", [None, (0, 1)], ids=["finite", "inf_first_step"])
+def test_one_host_folds_restored_residuals_once(bad):
+    """Residuals restored into a one-host run are owed to the sum: the first finite step gives
+    sum_q (x_q / N + r_q) and zeroes them; a non-finite step leaves them untouched."""
+    recs = _run("direct", 2, kind="xirang", shapes=LOCAL_SHAPES, steps=3, lpg=1, transport="auto",
+                init_residuals=1e-3, bad=bad)
+    names = recs[0]["names"]
+    first = 0 if bad is None else 1
+    for rec in recs:
+        assert rec["stats"]["totals"]["path"] == "local"
+        assert set(rec["r0"]) == {names[0], names[1]} and all(bool(v.any()) for v in rec["r0"].values())
+        if bad is not None:  # step 0 had an inf: residuals as restored, the step counted as skipped
+            for k, v in rec["steps"][0]["res"].items():
+                assert torch.equal(v, rec["r0"][k]), k
+            assert rec["stats"]["totals"]["skipped_steps"] == 1
+        for k, v in rec["steps"][first]["res"].items():
+            assert int(torch.count_nonzero(v)) == 0, (k, "residual not zeroed after the fold")
+        for i in range(len(LOCAL_SHAPES)):
+            y = rec["steps"][first]["y"][i]
+            with_r0 = names[i] if names[i] in rec["r0"] else False
+            assert _close_fp32(y, _fp64_average(recs, first, i, with_r0)), i
+            if first + 1 < 3:  # folded once: the next step is the plain average again
+                assert _close_fp32(rec["steps"][first + 1]["y"][i], _fp64_average(recs, first + 1, i)), i
+
+
 @pytest.mark.parametrize("kind", REAL_KINDS)
 @pytest.mark.parametrize("value", [40000.0, 3.0e38])
 def test_large_values_stay_finite(kind, value):

@@ -120,6 +120,7 @@ class Checkpointing:
             if g.residual is None:
                 g.residual = torch.zeros(g.ef_numel, dtype=torch.float32)
             g.residual[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
+        self._residuals_dirty = True
         return unknown
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -130,6 +131,7 @@ class Checkpointing:
             "wire": self.wire,
             "measure_readiness": self.measure_readiness,
             "early_launch": self.early_launch,
+            "local_average": self.local_average,
             "auto_calibration_steps": self._auto.calibration_steps if self._auto is not None else None,
             "state_dict": self.state_dict(),
         }
@@ -142,6 +144,7 @@ class Checkpointing:
         self.wire = d.get("wire", "bf16")  # states pickled before fp16 / int8 existed
         self.measure_readiness = d["measure_readiness"]
         self.early_launch = d.get("early_launch", True)  # states pickled before early launch
+        self.local_average = d.get("local_average", True)  # states pickled before it
         self._auto = None
         if self.layers_per_group == "auto":
             from .autogroup import CALIBRATION_STEPS, AutoGroup  # noqa: PLC0415

@@ -48,6 +48,12 @@ def bf16_error_feedback_hook(
     of 8 blocks, DDP's default buckets, 2 ranks: the first two groups launched 3 and 8 ms after
     backward's first gradient instead of 14 and 17 ms.
 
+    When every rank of the group shares this rank's host (``state.local_average``, the default,
+    and ``backend.shm_ranks`` covering the group), the group operation would be the exact fp32
+    average over shared memory, so the hook instead averages ``bucket.buffer()`` in place with one
+    backend operation per bucket, as DDP's own allreduce does: no packing, no residuals (any left
+    from a restore are added in once), ``stats()["totals"]["path"] == "local"``.
+
     Returns:
         ``torch.futures.Future[torch.Tensor]`` holding ``bucket.buffer()``.
     """
