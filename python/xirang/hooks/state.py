@@ -262,6 +262,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._residuals_dirty = False
         self._local_labels: Dict[Tuple[int, int], str] = {}
         self._local_last = (0, 0)  # the last local step's operations and bucket bytes
+        self._warned_local = False
         self.steps = 0
         self.skipped_steps = 0
         self.world_size: Optional[int] = None
@@ -580,6 +581,11 @@ class BF16ErrorFeedbackState(Checkpointing):
         a residual that may be nonzero is added first (x + N r, so the average owes nothing)."""
         step = self._step
         if step is None:
+            if not self._warned_local:
+                self._warned_local = True
+                log.info("xirang hook: all %d ranks share this host's memory: averaging DDP's buckets in place "
+                         "(local_average; the exact fp32 average, no wire format)%s", len(self._backend.ring),
+                         "; layers_per_group='auto' has nothing to choose here" if self._auto is not None else "")
             step = self._step = _Step(0)
             step.local = True
             step.t_first = t0
