@@ -451,8 +451,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce_scatter(std::vector<at
            "reduce_scatter takes one output tensor and one input list per process");
   XR_CHECK(rank_, static_cast<int>(inputs[0].size()) == size_, "reduce_scatter: input list has ", inputs[0].size(),
            " tensors, expected world size ", size_);
-  checkTensors(rank_, "reduce_scatter", outputs);
-  checkTensors(rank_, "reduce_scatter", inputs[0]);
+  // CUDA tensors pass: the concatenated input and the output go through _reduce_scatter_base's stage.
+  checkTensors(rank_, "reduce_scatter", outputs, /*cuda_ok=*/true);
+  checkTensors(rank_, "reduce_scatter", inputs[0], /*cuda_ok=*/true);
   for (auto& t : inputs[0]) {
     checkSameType(rank_, "reduce_scatter", outputs[0], t);
     XR_CHECK(rank_, t.numel() == outputs[0].numel(), "reduce_scatter: input tensor has ", t.numel(), " elements, output ",
@@ -488,9 +489,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall_base(at::Tensor& out
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall(std::vector<at::Tensor>& outputs,
-                                                            std::vector<at::Tensor>& inputs,
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall(std::vector<at::Tensor>& outputs_,
+                                                            std::vector<at::Tensor>& inputs_,
                                                             const c10d::AllToAllOptions& opts) {
+  auto stage = engines_.stageFor(concat(inputs_, outputs_));
+  std::vector<at::Tensor> inputs = stage->bind(inputs_, true, false);
+  std::vector<at::Tensor> outputs = stage->bind(outputs_, false, true);
   XR_CHECK(rank_, static_cast<int>(outputs.size()) == size_ && static_cast<int>(inputs.size()) == size_,
            "alltoall: expected ", size_, " input and output tensors, got ", inputs.size(), " and ", outputs.size());
   checkTensors(rank_, "alltoall", inputs);
@@ -502,13 +506,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall(std::vector<at::Tens
   return enqueue({.type = c10d::OpType::ALLTOALL, .title = "xirang:all_to_all", .kind = OpKind::Alltoall,
                   .outputs = outputs, .inputs = inputs, .dtype = toDType(inputs[0].scalar_type()), .numel = total,
                   .timeout = opts.timeout},
-                 hostStage(),
+                 stage,
                  [this, outs = outputs, ins = inputs](OpCtx& ctx) { host::alltoall(comm(), ctx, outs, ins, size_); });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                          std::vector<at::Tensor>& inputs,
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::gather(std::vector<std::vector<at::Tensor>>& outputs_,
+                                                          std::vector<at::Tensor>& inputs_,
                                                           const c10d::GatherOptions& opts) {
+  auto stage = engines_.stageFor(outputs_.empty() ? inputs_ : concat(inputs_, outputs_[0]));
+  std::vector<std::vector<at::Tensor>> outputs;
+  for (const auto& l : outputs_) outputs.push_back(stage->bind(l, false, true));
+  std::vector<at::Tensor> inputs = stage->bind(inputs_, true, false);
   XR_CHECK(rank_, inputs.size() == 1, "gather takes exactly one input tensor");
   checkTensors(rank_, "gather", inputs);
   const int root = static_cast<int>(opts.rootRank);
@@ -518,12 +526,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::gather(std::vector<std::vecto
   return enqueue({.type = c10d::OpType::GATHER, .title = "xirang:gather", .kind = OpKind::Gather, .outputs = outs,
                   .inputs = inputs, .dtype = toDType(in.scalar_type()), .numel = static_cast<uint64_t>(in.numel()),
                   .timeout = opts.timeout},
-                 hostStage(), [this, in, outs, root](OpCtx& ctx) { host::gather(comm(), ctx, in, outs, root); });
+                 stage, [this, in, outs, root](OpCtx& ctx) { host::gather(comm(), ctx, in, outs, root); });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::scatter(std::vector<at::Tensor>& outputs,
-                                                           std::vector<std::vector<at::Tensor>>& inputs,
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::scatter(std::vector<at::Tensor>& outputs_,
+                                                           std::vector<std::vector<at::Tensor>>& inputs_,
                                                            const c10d::ScatterOptions& opts) {
+  auto stage = engines_.stageFor(inputs_.empty() ? outputs_ : concat(outputs_, inputs_[0]));
+  std::vector<std::vector<at::Tensor>> inputs;
+  for (const auto& l : inputs_) inputs.push_back(stage->bind(l, true, false));
+  std::vector<at::Tensor> outputs = stage->bind(outputs_, false, true);
   XR_CHECK(rank_, outputs.size() == 1, "scatter takes exactly one output tensor");
   checkTensors(rank_, "scatter", outputs);
   const int root = static_cast<int>(opts.rootRank);
@@ -533,7 +545,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::scatter(std::vector<at::Tenso
   return enqueue({.type = c10d::OpType::SCATTER, .title = "xirang:scatter", .kind = OpKind::Scatter,
                   .outputs = outputs, .inputs = ins, .dtype = toDType(out.scalar_type()),
                   .numel = static_cast<uint64_t>(out.numel()), .timeout = opts.timeout},
-                 hostStage(), [this, out, ins, root](OpCtx& ctx) { host::scatter(comm(), ctx, out, ins, root); });
+                 stage, [this, out, ins, root](OpCtx& ctx) { host::scatter(comm(), ctx, out, ins, root); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::barrier(const c10d::BarrierOptions& opts) {

@@ -68,7 +68,8 @@ void checkTensors(int rank, const char* op, const std::vector<at::Tensor>& ts, b
       XR_CHECK(rank, false, op,
                ": CUDA tensors are not supported by this operation yet (the host-staged CUDA path covers "
                "all_reduce, all_reduce_coalesced, broadcast, reduce, all_gather, all_gather_coalesced, "
-               "all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, send, recv and allreduce_ef); "
+               "all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, all_to_all, all_to_all_single, "
+               "gather, scatter, send, recv and allreduce_ef); "
                "use CPU tensors or 'cpu:xirang,cuda:nccl'");
 #endif
     }

@@ -81,6 +81,28 @@ def worker(rank, world, port, out, q):
         dist.reduce_scatter_tensor(oc, base.to(dev))
         dist.reduce_scatter_tensor(oh, base.clone())
         check("reduce_scatter_tensor", oc, oh)
+        # reduce_scatter (list), all_to_all (list), gather and scatter (root 1)
+        ins = [torch.randn(2049, generator=g) for _ in range(world)]
+        oc, oh = torch.empty(2049, device=dev), torch.empty(2049)
+        dist.reduce_scatter(oc, [t.to(dev) for t in ins])
+        dist.reduce_scatter(oh, [t.clone() for t in ins])
+        check("reduce_scatter", oc, oh)
+        outs_c = [torch.empty(2049, device=dev) for _ in range(world)]
+        outs_h = [torch.empty(2049) for _ in range(world)]
+        dist.all_to_all(outs_c, [t.to(dev) for t in ins])
+        dist.all_to_all(outs_h, [t.clone() for t in ins])
+        check("all_to_all", outs_c, outs_h)
+        base = torch.randn(3001, generator=g)
+        gc = [torch.empty(3001, device=dev) for _ in range(world)] if rank == 1 else None
+        gh = [torch.empty(3001) for _ in range(world)] if rank == 1 else None
+        dist.gather(base.to(dev), gc, dst=1)
+        dist.gather(base.clone(), gh, dst=1)
+        check("gather", gc if rank == 1 else [], gh if rank == 1 else [])
+        parts = [torch.randn(3001, generator=g) for _ in range(world)]
+        sc_, sh_ = torch.empty(3001, device=dev), torch.empty(3001)
+        dist.scatter(sc_, [t.to(dev) for t in parts] if rank == 1 else None, src=1)
+        dist.scatter(sh_, [t.clone() for t in parts] if rank == 1 else None, src=1)
+        check("scatter", sc_, sh_)
         # the hook's op: allreduce_ef on CUDA tensors vs CPU tensors
         pg = dist.distributed_c10d._get_default_group()
         be = pg._get_backend(dev)
