@@ -146,6 +146,11 @@ class BF16ErrorFeedbackState(Checkpointing):
             finite. Records and profiler ranges then carry DDP's bucket index as ``group_id``
             and a ``bucket <k>:`` label; ``stats()["totals"]["path"]`` says ``"local"``. The
             path is chosen at each step's first hook call. ``False``: always layer groups.
+            On this path ``layers_per_group="auto"`` calibrates nothing (there is no group to
+            size; an INFO line says so), and ``skipped_steps`` counts only non-finite steps
+            that had folded residuals to keep (nothing else is committed; no finiteness pass
+            runs). A one-rank group has no shared-memory peers and keeps the layer-group path,
+            wire rounding and error feedback included: the hook is for multi-rank training.
         wire: the compressed tensors' wire format, each with complete error feedback
             (``ValueError`` for another value):
 
