@@ -424,7 +424,7 @@ class BF16ErrorFeedbackState(Checkpointing):
 
     def _early_mark(self, s: Slot) -> None:
         """Post-accumulate-grad hook of a slot's parameter (early launch, see the class doc)."""
-        if not (self._armed and self.early_launch and self._early_ok and self._backend is not None) or self._local:
+        if not (self._armed and self.early_launch and self._early_ok and self._backend is not None):
             return
         grad = s.param.grad
         step = self._step
@@ -626,20 +626,14 @@ class BF16ErrorFeedbackState(Checkpointing):
         f.value()  # re-raises the operation's error
         if step is None:
             return buf
-        self._armed = False
         if step.folded:  # the folded residuals are owed no more once the step's output is finite
             if all(bool(torch.isfinite(g).all()) for _, g in step.folded):
                 for s, _ in step.folded:
                     s.group.residual[s.offset : s.offset + s.numel].zero_()
             else:
                 self.skipped_steps += 1
-        for g in self._groups:
-            g.launches_last_step = 0
         self._local_last = (step.local_ops, step.local_bytes)
-        self.steps += 1
-        if self._t_last_hook_return is not None:
-            self._exposed_s = max(0.0, time.perf_counter() - self._t_last_hook_return)
-            self._sum_exposed_s += self._exposed_s
+        self._end_step()
         return buf
 
     def _launch(self, g: Group, gs: _GroupStep) -> None:
@@ -700,8 +694,20 @@ class BF16ErrorFeedbackState(Checkpointing):
             self._commit(step)
         return buf
 
-    def _commit(self, step: _Step) -> None:
+    def _end_step(self, launched: Sequence[Group] = ()) -> None:
+        """What ends every synced step, on either path: launch counts, the step count, the
+        exposed time (last hook return -> now)."""
         self._armed = False  # the next backward reads .grad early only after a new forward
+        for g in self._groups:
+            g.launches_last_step = 0
+        for g in launched:
+            g.launches_last_step = 1
+        self.steps += 1
+        if self._t_last_hook_return is not None:
+            self._exposed_s = max(0.0, time.perf_counter() - self._t_last_hook_return)
+            self._sum_exposed_s += self._exposed_s
+
+    def _commit(self, step: _Step) -> None:
         launched = [(self._groups[i], gs) for i, gs in enumerate(step.groups) if gs.launched]
         finite = all(gs.finite for _, gs in launched)
         if finite and self.error_feedback:
@@ -711,14 +717,7 @@ class BF16ErrorFeedbackState(Checkpointing):
                     self._residuals_dirty = True
         if not finite:
             self.skipped_steps += 1
-        for g in self._groups:
-            g.launches_last_step = 0
-        for g, _ in launched:
-            g.launches_last_step = 1
-        self.steps += 1
-        if self._t_last_hook_return is not None:
-            self._exposed_s = max(0.0, time.perf_counter() - self._t_last_hook_return)
-            self._sum_exposed_s += self._exposed_s
+        self._end_step([g for g, _ in launched])
         a = self._auto
         if a is not None:
             if a.decided:
