@@ -190,8 +190,8 @@ class Direct(nn.Module):
         super().__init__()
         self.ws = nn.ParameterList(nn.Parameter(torch.zeros(s)) for s in shapes)
 
-    def forward(self, xs):
-        return sum((w * x).sum() for w, x in zip(self.ws, xs))
+    def forward(self, xs, skip=None):
+        return sum((w * x).sum() for i, (w, x) in enumerate(zip(self.ws, xs)) if i != skip)
 
 
 class Digits(nn.Module):
@@ -270,7 +270,10 @@ def sc_direct(rank, ws, hooks, out, cfg):
     """Controlled gradients: per step the inputs come from cfg['gen'](step, rank) shapes."""
     shapes = cfg["shapes"]
     model = Direct(shapes)
-    ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb"))
+    # cfg["unused"] = (i, steps): parameter i takes no part in those steps on any rank (its
+    # recorded x is 0 there, its y None: DDP leaves the .grad of a globally unused parameter alone)
+    unused_i, unused_steps = cfg.get("unused", (None, ()))
+    ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb"), find_unused_parameters=unused_i is not None)
     state = hooks.register_comm_hook(ddp, layers_per_group=cfg.get("lpg", 8),
                                      **cfg.get("state_kw", {}))
     rec = {"steps": []}
@@ -285,18 +288,22 @@ def sc_direct(rank, ws, hooks, out, cfg):
     sum_y = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     for step in range(cfg["steps"]):
         xs = make_inputs(cfg, step, rank, shapes)
-        ddp(xs).backward()
-        ys = [p.grad.detach().clone() for p in model.ws]
+        skip = unused_i if step in unused_steps else None
+        if skip is not None:
+            xs[skip] = torch.zeros_like(xs[skip])
+        ddp(xs, skip).backward()
+        ys = [p.grad.detach().clone() if p.grad is not None else None for p in model.ws]
         for a, x in zip(sum_x, xs):
             a += x.double()
         for a, y in zip(sum_y, ys):
-            a += y.double()
+            if y is not None:
+                a += y.double()
         keep = cfg.get("keep_steps", True)
         rec["steps"].append({
             "x": [x.clone() for x in xs] if keep else None,
             "y": ys if keep else None,
             "res": {k: v.clone() for k, v in state.residuals.items()} if keep else None,
-            "y_hash": [hash_t(y) for y in ys],
+            "y_hash": [hash_t(y) if y is not None else None for y in ys],
         })
         model.zero_grad(set_to_none=True)
     rec["sum_x"], rec["sum_y"] = sum_x, sum_y

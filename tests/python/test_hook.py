@@ -713,6 +713,49 @@ def test_one_host_folds_restored_residuals_once(bad):
                 assert _close_fp32(rec["steps"][first + 1]["y"][i], _fp64_average(recs, first + 1, i)), i
 
 
+@needs_real
+def test_unused_parameter_keeps_its_residual():
+    """A parameter unused on every rank in a step (find_unused_parameters): DDP leaves its .grad
+    alone, so the hook's output for it never reaches the optimizer and the residual it paid is
+    owed still: after such a step it is what it was before, bitwise, and over the run the
+    error-feedback invariant sum_t y_t + sum_q r_q = sum_t sum_q x_q / N holds (wire path, TCP)."""
+    steps, unused = 5, (1, 3)
+    recs = _run("direct", 2, kind="xirang", shapes=LOCAL_SHAPES, steps=steps, lpg=1, unused=(1, unused))
+    names = recs[0]["names"]
+    for rec in recs:
+        assert rec["stats"]["totals"]["path"] == "groups"
+        assert bool(rec["steps"][0]["res"][names[1]].any())  # something to keep
+        for t in unused:
+            assert rec["steps"][t]["y"][1] is None, t  # DDP left .grad alone
+            assert torch.equal(rec["steps"][t]["res"][names[1]], rec["steps"][t - 1]["res"][names[1]]), t
+            assert not torch.equal(rec["steps"][t]["res"][names[0]], rec["steps"][t - 1]["res"][names[0]]), t
+    for k in (0, 1):  # the compressed tensors
+        lhs = recs[0]["sum_y"][k] + sum(rec["res"][names[k]].double() for rec in recs)
+        rhs = sum(rec["sum_x"][k] for rec in recs) / len(recs)
+        scale = sum(x["x"][k].double().abs() for rec in recs for x in rec["steps"]) / len(recs)
+        assert float((lhs - rhs).norm() / scale.norm()) <= 1e-5, names[k]
+
+
+@needs_real
+def test_one_host_unused_parameter_keeps_restored_residual():
+    """local_average with restored residuals: a parameter unused on every rank in the first step
+    keeps its residual (DDP drops that output), the used ones are zeroed; the next step that uses
+    it folds it in once: sum_q (x_q / N + r_q)."""
+    recs = _run("direct", 2, kind="xirang", shapes=LOCAL_SHAPES, steps=3, lpg=1, transport="auto",
+                init_residuals=1e-3, unused=(1, (0,)))
+    names = recs[0]["names"]
+    for rec in recs:
+        assert rec["stats"]["totals"]["path"] == "local"
+        s0, s1 = rec["steps"][0], rec["steps"][1]
+        assert s0["y"][1] is None
+        assert torch.equal(s0["res"][names[1]], rec["r0"][names[1]])  # still owed
+        assert int(torch.count_nonzero(s0["res"][names[0]])) == 0  # delivered
+        assert int(torch.count_nonzero(s1["res"][names[1]])) == 0
+        assert _close_fp32(s0["y"][0], _fp64_average(recs, 0, 0, names[0]))
+        assert _close_fp32(s1["y"][1], _fp64_average(recs, 1, 1, names[1]))
+        assert _close_fp32(s1["y"][0], _fp64_average(recs, 1, 0))
+
+
 @pytest.mark.parametrize("kind", REAL_KINDS)
 @pytest.mark.parametrize("value", [40000.0, 3.0e38])
 def test_large_values_stay_finite(kind, value):

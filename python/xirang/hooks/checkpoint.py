@@ -80,6 +80,7 @@ class Checkpointing:
             saved_ws == self.world_size
             and (saved_ring is None or tuple(saved_ring) == tuple(self.ring_order or ()))
         )
+        self._unsettled = None  # the loaded residuals replace whatever the last step left
         for g in self._groups:  # residuals restart at zero unless restored below
             if g.residual is not None:
                 g.residual.zero_()

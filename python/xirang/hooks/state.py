@@ -43,6 +43,17 @@ def _flush_copies(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
         src.clear()
 
 
+def _used_map_index(ddp) -> Optional[Dict[int, int]]:
+    """id(param) -> its index in DDP's used map (the reducer's parameter list: requires_grad,
+    not ignored, shared ones once, in ``named_parameters`` order), or None when DDP keeps no
+    reduced map (neither ``find_unused_parameters`` nor ``static_graph``)."""
+    if ddp is None or not (getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False)):
+        return None
+    ignore = getattr(ddp, "parameters_to_ignore", set())
+    params = [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignore]
+    return {id(p): i for i, p in enumerate(params)}
+
+
 def _backend_for(process_group: Optional[dist.ProcessGroup]) -> Any:
     """The xirang backend object serving CPU tensors of ``process_group`` (``None``: default).
 
@@ -143,7 +154,7 @@ class BF16ErrorFeedbackState(Checkpointing):
             ms per step with groups against 20.2 for an in-place bucket average and 19.9 for
             DDP without a hook). Residuals left by an earlier multi-host run or a checkpoint are
             added into the bucket (x + N r, then averaged) and zeroed once the step's output is
-            finite. Records and profiler ranges then carry DDP's bucket index as ``group_id``
+            finite (a parameter unused on every rank keeps its residual for a later step). Records and profiler ranges then carry DDP's bucket index as ``group_id``
             and a ``bucket <k>:`` label; ``stats()["totals"]["path"]`` says ``"local"``. The
             path is chosen at each step's first hook call. ``False``: always layer groups.
             On this path ``layers_per_group="auto"`` calibrates nothing (there is no group to
@@ -191,6 +202,8 @@ class BF16ErrorFeedbackState(Checkpointing):
     grad (or DDP's last bucket). Residual updates are staged by the backend and committed when
     the step's last group completes, only if every group's output is finite; otherwise every
     residual stays as it was (the non-finite output lets AMP's ``GradScaler`` skip the step).
+    A parameter that DDP finds unused on every rank (``find_unused_parameters``) gets no output
+    (DDP leaves its ``.grad`` alone), so its residual keeps the value it had before the step.
     """
 
     def __init__(
@@ -268,6 +281,11 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._local_labels: Dict[Tuple[int, int], str] = {}
         self._local_last = (0, 0)  # the last local step's operations and bucket bytes
         self._warned_local = False
+        # Residual updates of the last synced step that hold only if DDP delivered the output to
+        # .grad, which it does not for a parameter unused on every rank (see _settle):
+        # ("groups" | "local", [slots]); and the parameters' indices in DDP's used map.
+        self._unsettled: Optional[Tuple[str, List[Slot]]] = None
+        self._ddp_index: Optional[Dict[int, int]] = None
         self.steps = 0
         self.skipped_steps = 0
         self.world_size: Optional[int] = None
@@ -296,10 +314,12 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._order = self._last_bucket_order = []
         self._root = root
         self._ddp = ddp
+        self._unsettled = None
+        self._ddp_index = _used_map_index(ddp)
         self._build_groups(root, ddp)
+        if ddp is not None and (self.measure_readiness or self._ddp_index is not None):
+            self._fwd_handle = ddp.register_forward_hook(_ArmEarly(self))
         if self.measure_readiness:
-            if ddp is not None:
-                self._fwd_handle = ddp.register_forward_hook(_ArmEarly(self))
             for key, s in self._slots.items():
                 if hasattr(s.param, "register_post_accumulate_grad_hook"):
                     self._ready_handles.append(
@@ -353,6 +373,7 @@ class BF16ErrorFeedbackState(Checkpointing):
 
         Views into the live buffers; empty before the first step (residuals start at zero).
         """
+        self._settle()
         out = {}
         for g in self._groups:
             if g.residual is None:
@@ -390,6 +411,7 @@ class BF16ErrorFeedbackState(Checkpointing):
 
     def _new_step(self, t0: float) -> _Step:
         """Starts a synced step's bookkeeping at its first hook call (bucket or early mark)."""
+        self._unsettled = None  # _settle ran at this step's forward, or cannot run here (see there)
         if self._auto_busy():
             self._auto_step_start()
         calibrating = self._auto is not None and not self._auto.decided
@@ -591,6 +613,7 @@ class BF16ErrorFeedbackState(Checkpointing):
                 log.info("xirang hook: all %d ranks share this host's memory: averaging DDP's buckets in place "
                          "(local_average; the exact fp32 average, no wire format)%s", len(self._backend.ring),
                          "; layers_per_group='auto' has nothing to choose here" if self._auto is not None else "")
+            self._unsettled = None  # as in _new_step
             step = self._step = _Step(0)
             step.local = True
             step.t_first = t0
@@ -628,8 +651,13 @@ class BF16ErrorFeedbackState(Checkpointing):
             return buf
         if step.folded:  # the folded residuals are owed no more once the step's output is finite
             if all(bool(torch.isfinite(g).all()) for _, g in step.folded):
+                kept = []
                 for s, _ in step.folded:
-                    s.group.residual[s.offset : s.offset + s.numel].zero_()
+                    r = s.group.residual[s.offset : s.offset + s.numel]
+                    if self._ddp_index is not None:
+                        kept.append((s, r.clone()))
+                    r.zero_()
+                self._unsettled = kept or None
             else:
                 self.skipped_steps += 1
         self._local_last = (step.local_ops, step.local_bytes)
@@ -707,14 +735,43 @@ class BF16ErrorFeedbackState(Checkpointing):
             self._exposed_s = max(0.0, time.perf_counter() - self._t_last_hook_return)
             self._sum_exposed_s += self._exposed_s
 
+    def _settle(self) -> None:
+        """Undo the last synced step's residual update for the parameters DDP found unused on
+        every rank: DDP leaves their ``.grad`` untouched, so the output that paid a residual
+        (groups: the encoded x + r; local: the folded N r) never reached the optimizer, and the
+        residual is owed still. Reads DDP's reduced used map (``find_unused_parameters`` /
+        ``static_graph`` only: otherwise DDP requires every parameter to be used), which is final
+        once backward has returned and which cannot be read inside DDP's hook (the reducer holds
+        its lock there): so this runs at the DDP wrapper's next forward (``_ArmEarly``) and
+        when residuals are read, and a step that starts unsettled drops the undo."""
+        kept, self._unsettled = self._unsettled, None
+        if not kept or self._ddp_index is None or self._ddp is None:
+            return
+        try:
+            used = self._ddp.reducer._get_local_used_map()
+        except (AttributeError, RuntimeError):  # a torch without the map: nothing to learn
+            return
+        if used.numel() != len(self._ddp_index):
+            return
+        used = used.tolist()
+        for s, old in kept:
+            i = self._ddp_index.get(id(s.param))
+            if i is not None and used[i] == 0:
+                s.group.residual[s.offset : s.offset + s.numel].copy_(old)
+                self._residuals_dirty = True
+
     def _commit(self, step: _Step) -> None:
         launched = [(self._groups[i], gs) for i, gs in enumerate(step.groups) if gs.launched]
         finite = all(gs.finite for _, gs in launched)
         if finite and self.error_feedback:
+            kept = []
             for g, _ in launched:
                 if g.ef_numel:
                     g.residual, g.staged = g.staged, g.residual
                     self._residuals_dirty = True
+                    if self._ddp_index is not None:  # the old residuals, until _settle
+                        kept += [(s, g.staged[s.offset : s.offset + s.numel]) for s in g.slots if s.kind == "ef"]
+            self._unsettled = kept or None
         if not finite:
             self.skipped_steps += 1
         self._end_step([g for g, _ in launched])
@@ -890,8 +947,9 @@ class _ReadyMark:
 
 
 class _ArmEarly:
-    """Forward hook of the DDP wrapper: the next backward syncs (early launch may read .grad)
-    when this forward ran with grad enabled outside ``no_sync``."""
+    """Forward hook of the DDP wrapper: the last synced step's residuals are settled (see
+    ``_settle``); the next backward syncs (early launch may read .grad) when this forward ran
+    with grad enabled outside ``no_sync``."""
 
     __slots__ = ("state",)
 
@@ -900,6 +958,7 @@ class _ArmEarly:
 
     def __call__(self, module: nn.Module, _args: Any, _out: Any) -> None:
         st = self.state
+        st._settle()
         st._armed = bool(torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", False))
         st._seen_now = set()
         if st._armed and st._step is not None:  # a step is open only inside a backward
