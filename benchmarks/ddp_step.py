@@ -57,7 +57,9 @@ rank and its time is the slowest rank's.
                     that backward did not hide (measured as a difference of medians, so it can be
                     slightly negative within noise)
     wire/step       bytes this rank sends per step (mean of the ranks). xirang configs: measured, the
-                    sum of xirang.stats() records' bytes_wire over the step's operations; gloo and
+                    sum of xirang.stats() records' bytes_wire over the step's operations (over
+                    shared memory, the default on one host, that is what a rank writes into the
+                    segment: (N-1)/N of a 32-bit allreduce's input, no compression); gloo and
                     torch hooks: computed, ring count 2(N-1)/N x bytes of what they allreduce
                     (gloo's own algorithm may send a different amount)
     launches/step   xirang: backend operations per step (stats records); gloo: DDP buckets;

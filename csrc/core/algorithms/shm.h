@@ -4,11 +4,13 @@
 // The reduction is the one that suits shared memory (DeepSpeed's CPU shm allreduce, NCCL's SHM
 // transport) rather than a ring of copies. The message is cut into n lanes (n = local ranks;
 // allreduce: the ring's chunks, reduce-scatter: the output blocks), local rank j reduces lane j,
-// and the lanes go through the segment in pieces: every rank copies its piece of every lane into
-// that lane's slot; barrier; each rank reduces its lane's n copies straight from its slot and
-// writes the result once; barrier; everyone copies every lane's result out (allreduce; a
-// reduce-scatter writes its result into its own block instead). Two barriers and one read of
-// each input per piece; 16-bit floats are accumulated in fp32 and rounded once.
+// and the lanes go through the segment in pieces: every rank copies its piece of every other
+// rank's lane into that lane's slot (a reduce-scatter and a 16-bit allreduce its own lane's too);
+// barrier; each rank reduces its lane's n copies straight from its slot (its own copy from its
+// buffer) and writes the result once (an allreduce: into the slot and over its own copy);
+// barrier; everyone copies every other lane's result out (allreduce; a reduce-scatter writes its
+// result into its own block instead). Two barriers and one read of each input per piece; 16-bit
+// floats are accumulated in fp32 and rounded once.
 //
 // Bits: every result is bitwise identical on all ranks and bitwise equal to what the TCP engine
 // (collectives.h) computes for the same inputs and the same Comm, because the order in which an
