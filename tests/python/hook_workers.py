@@ -273,7 +273,8 @@ def sc_direct(rank, ws, hooks, out, cfg):
     # cfg["unused"] = (i, steps): parameter i takes no part in those steps on any rank (its
     # recorded x is 0 there, its y None: DDP leaves the .grad of a globally unused parameter alone)
     unused_i, unused_steps = cfg.get("unused", (None, ()))
-    ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb"), find_unused_parameters=unused_i is not None)
+    ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb"), find_unused_parameters=unused_i is not None,
+              gradient_as_bucket_view=cfg.get("gabv", False))
     state = hooks.register_comm_hook(ddp, layers_per_group=cfg.get("lpg", 8),
                                      **cfg.get("state_kw", {}))
     rec = {"steps": []}
@@ -305,7 +306,7 @@ def sc_direct(rank, ws, hooks, out, cfg):
             "res": {k: v.clone() for k, v in state.residuals.items()} if keep else None,
             "y_hash": [hash_t(y) if y is not None else None for y in ys],
         })
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=cfg.get("set_to_none", True))
     rec["sum_x"], rec["sum_y"] = sum_x, sum_y
     rec["res"] = {k: v.clone() for k, v in state.residuals.items()}
     rec["names"] = [n for n, _ in model.named_parameters()]

@@ -314,6 +314,7 @@ def ws1_group():
 VARIANTS = [
     dict(),
     dict(gabv=True),
+    dict(gabv=True, keep_grads=True),
     dict(static_graph=True),
     dict(find_unused=True, unused=True),
     dict(autocast=True),
@@ -394,7 +395,7 @@ def test_ws1_modes_exact_and_launches(ws1_group, var, early):
                 done |= now
         if early and step >= 3 and not var:
             assert before_bucket, f"step {step}: no group launched before its last bucket"
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=not var.get("keep_grads"))
         ref.zero_grad(set_to_none=True)
     n_buckets = [len([c for c in call if c[1]]) for call in calls_per_bucket]
     if cap is not None and not var.get("find_unused"):
@@ -714,20 +715,28 @@ def test_one_host_folds_restored_residuals_once(bad):
 
 
 @needs_real
-def test_unused_parameter_keeps_its_residual():
+@pytest.mark.parametrize("views", [False, True], ids=["grads", "bucket_views_kept"])
+def test_unused_parameter_keeps_its_residual(views):
     """A parameter unused on every rank in a step (find_unused_parameters): DDP leaves its .grad
     alone, so the hook's output for it never reaches the optimizer and the residual it paid is
-    owed still: after such a step it is what it was before, bitwise, and over the run the
-    error-feedback invariant sum_t y_t + sum_q r_q = sum_t sum_q x_q / N holds (wire path, TCP)."""
+    owed still: after such a step it is what it was before, bitwise. With gradient_as_bucket_view
+    and .grad kept between steps (zero_grad(set_to_none=False)) .grad is DDP's bucket view and
+    does hold the output: then the residual is the step's new one. Either way, over the run the
+    error-feedback invariant sum_t y_t + sum_q r_q = sum_t sum_q x_q / N holds (wire path, TCP;
+    y_t: what .grad holds after step t)."""
     steps, unused = 5, (1, 3)
-    recs = _run("direct", 2, kind="xirang", shapes=LOCAL_SHAPES, steps=steps, lpg=1, unused=(1, unused))
+    kw = dict(gabv=True, set_to_none=False) if views else {}
+    recs = _run("direct", 2, kind="xirang", shapes=LOCAL_SHAPES, steps=steps, lpg=1, unused=(1, unused), **kw)
     names = recs[0]["names"]
     for rec in recs:
         assert rec["stats"]["totals"]["path"] == "groups"
         assert bool(rec["steps"][0]["res"][names[1]].any())  # something to keep
         for t in unused:
-            assert rec["steps"][t]["y"][1] is None, t  # DDP left .grad alone
-            assert torch.equal(rec["steps"][t]["res"][names[1]], rec["steps"][t - 1]["res"][names[1]]), t
+            kept = torch.equal(rec["steps"][t]["res"][names[1]], rec["steps"][t - 1]["res"][names[1]])
+            if views:
+                assert rec["steps"][t]["y"][1] is not None and not kept, t  # delivered through the view
+            else:
+                assert rec["steps"][t]["y"][1] is None and kept, t  # DDP left .grad alone
             assert not torch.equal(rec["steps"][t]["res"][names[0]], rec["steps"][t - 1]["res"][names[0]]), t
     for k in (0, 1):  # the compressed tensors
         lhs = recs[0]["sum_y"][k] + sum(rec["res"][names[k]].double() for rec in recs)

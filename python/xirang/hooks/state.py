@@ -154,7 +154,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             ms per step with groups against 20.2 for an in-place bucket average and 19.9 for
             DDP without a hook). Residuals left by an earlier multi-host run or a checkpoint are
             added into the bucket (x + N r, then averaged) and zeroed once the step's output is
-            finite (a parameter unused on every rank keeps its residual for a later step). Records and profiler ranges then carry DDP's bucket index as ``group_id``
+            finite (a parameter unused on every rank keeps its residual for a later step).
+            Records and profiler ranges then carry DDP's bucket index as ``group_id``
             and a ``bucket <k>:`` label; ``stats()["totals"]["path"]`` says ``"local"``. The
             path is chosen at each step's first hook call. ``False``: always layer groups.
             On this path ``layers_per_group="auto"`` calibrates nothing (there is no group to
@@ -203,7 +204,9 @@ class BF16ErrorFeedbackState(Checkpointing):
     the step's last group completes, only if every group's output is finite; otherwise every
     residual stays as it was (the non-finite output lets AMP's ``GradScaler`` skip the step).
     A parameter that DDP finds unused on every rank (``find_unused_parameters``) gets no output
-    (DDP leaves its ``.grad`` alone), so its residual keeps the value it had before the step.
+    (DDP leaves its ``.grad`` alone), so its residual keeps the value it had before the step;
+    unless its ``.grad`` is DDP's bucket view (``gradient_as_bucket_view`` with gradients kept
+    between steps, ``zero_grad(set_to_none=False)``), which holds the output anyway.
     """
 
     def __init__(
@@ -281,10 +284,11 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._local_labels: Dict[Tuple[int, int], str] = {}
         self._local_last = (0, 0)  # the last local step's operations and bucket bytes
         self._warned_local = False
+        self._warned_view = False
         # Residual updates of the last synced step that hold only if DDP delivered the output to
-        # .grad, which it does not for a parameter unused on every rank (see _settle):
-        # ("groups" | "local", [slots]); and the parameters' indices in DDP's used map.
-        self._unsettled: Optional[Tuple[str, List[Slot]]] = None
+        # .grad, which it does not for a parameter unused on every rank (see _settle): (slot, its
+        # residual before the step); and the parameters' indices in DDP's used map.
+        self._unsettled: Optional[List[Tuple[Slot, torch.Tensor]]] = None
         self._ddp_index: Optional[Dict[int, int]] = None
         self.steps = 0
         self.skipped_steps = 0
@@ -465,6 +469,16 @@ class BF16ErrorFeedbackState(Checkpointing):
         if not (step.order if step is not None else self._launch_order()) or grad is None \
                 or grad.dtype != s.dtype or grad.layout != torch.strided:
             return  # still learning the order (or a step without one), or a gradient DDP would convert
+        if grad._base is not None:
+            # .grad is DDP's bucket view (gradient_as_bucket_view, kept across steps): the views of
+            # a bucket share one version counter, so a later rewrite of this .grad could not be
+            # told from a sibling's accumulation. Its group waits for the bucket instead.
+            if not self._warned_view:
+                self._warned_view = True
+                log.info("xirang hook: %s's .grad is a view of DDP's bucket (gradient_as_bucket_view with "
+                         "zero_grad(set_to_none=False)): such gradients are reduced from their bucket, not early",
+                         s.fqn)
+            return
         t0 = time.perf_counter()
         if step is None:
             step = self._new_step(t0)
@@ -754,11 +768,16 @@ class BF16ErrorFeedbackState(Checkpointing):
         if used.numel() != len(self._ddp_index):
             return
         used = used.tolist()
+        views = bool(getattr(self._ddp, "gradient_as_bucket_view", False))
         for s, old in kept:
             i = self._ddp_index.get(id(s.param))
-            if i is not None and used[i] == 0:
-                s.group.residual[s.offset : s.offset + s.numel].copy_(old)
-                self._residuals_dirty = True
+            if i is None or used[i] != 0:
+                continue
+            g = s.param.grad
+            if views and g is not None and g._base is not None:  # .grad is the bucket view: it got the output
+                continue
+            s.group.residual[s.offset : s.offset + s.numel].copy_(old)
+            self._residuals_dirty = True
 
     def _commit(self, step: _Step) -> None:
         launched = [(self._groups[i], gs) for i, gs in enumerate(step.groups) if gs.launched]
