@@ -492,46 +492,18 @@ uint64_t segments(int64_t n) { return static_cast<uint64_t>((n + kWireSegment - 
 // order: a multiply, then an add; the division of int8's s / scale; c10's fp16 conversions as
 // integer and fp32 lane operations), their tails the scalar forms.
 
-// The segment's largest finite |x*scale + r_in| (0 if none).
-float segAmaxScalar(const float* x, float scale, const float* r_in, int64_t n) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = el::floatOf(el::bitsOf(el::add(el::mul(x[i], scale), r_in[i])) & 0x7FFFFFFFu);
-    if (!el::isNan(a) && !el::isInf(a) && a > amax) amax = a;
-  }
-  return amax;
-}
+// The scalar forms: elements.h's segment functions (the device kernels' bodies too).
+float segAmaxScalar(const float* x, float scale, const float* r_in, int64_t n) { return el::segAmax(x, scale, r_in, n); }
 
-// codes and r_out of s = x*scale + r_in (r_in read before r_out is written, element by element).
 void segEncodeScalar(Wire w, const float* x, float scale, const float* r_in, float* r_out, uint8_t* codes, float sc,
                      int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float s = el::add(el::mul(x[i], scale), r_in[i]);
-    float v;
-    if (w == Wire::INT8) {
-      const int8_t c = el::int8Code(s, sc);
-      reinterpret_cast<int8_t*>(codes)[i] = c;
-      v = el::int8Value(c, sc);
-    } else {
-      const uint16_t c = el::fp16Code(s, sc);
-      std::memcpy(codes + 2 * i, &c, 2);
-      v = el::fp16Value(c, sc);
-    }
-    r_out[i] = el::scaledResidual(s, v, r_in[i]);
-  }
+  el::segEncode(w == Wire::INT8, x, scale, r_in, r_out, codes, sc, n);
 }
 
 // out[i] = value i (accumulate: out[i] = out[i] + value i).
 void segDecodeScalar(Wire w, const uint8_t* codes, float sc, float* out, bool accumulate, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    float v;
-    if (w == Wire::INT8) {
-      v = el::int8Value(reinterpret_cast<const int8_t*>(codes)[i], sc);
-    } else {
-      uint16_t c;
-      std::memcpy(&c, codes + 2 * i, 2);
-      v = el::fp16Value(c, sc);
-    }
+    const float v = el::segValue(w == Wire::INT8, codes, i, sc);
     out[i] = accumulate ? el::add(out[i], v) : v;
   }
 }
@@ -704,7 +676,7 @@ void encodeBlockEF(Wire w, const float* x, float scale, const float* r_in, float
     // Pass 1: the segment's scale; pass 2 recomputes s (r_in is read before r_out is written,
     // element by element, so the two may alias).
     const float amax = amaxOf(x + s0, scale, r_in + s0, m);
-    const float sc = w == Wire::INT8 ? el::int8Scale(amax) : el::fp16Scale(amax);
+    const float sc = el::segScale(w == Wire::INT8, amax);
     std::memcpy(scales + 4 * k, &sc, 4);
     encode(w, x + s0, scale, r_in + s0, r_out + s0, block + codeBytes(w) * static_cast<uint64_t>(s0), sc, m);
   }

@@ -275,6 +275,48 @@ XR_HD inline float scaledResidual(float s, float v, float r_in) {
   return (isInf(v) && !isInf(s) && !isNan(s)) ? r_in : sub(s, v);
 }
 
+// One segment (n <= codec::kWireSegment elements) of a scaled block, element by element: the
+// CPU codec's scalar path (codec.cc) and the device kernels (device/kernels.h: ScaledEncodeEF,
+// ScaledDecode). `int8`: int8 codes, else fp16 codes (native byte order, read and written through
+// memcpy: a block's fp16 codes need not be 2-byte aligned on the host).
+// The segment's largest finite |x*scale + r_in| (0 if none).
+XR_HD inline float segAmax(const float* x, float scale, const float* r_in, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = floatOf(bitsOf(add(mul(x[i], scale), r_in[i])) & 0x7FFFFFFFu);
+    if (!isNan(a) && !isInf(a) && a > amax) amax = a;
+  }
+  return amax;
+}
+// The segment's scale for that amax.
+XR_HD inline float segScale(bool int8, float amax) { return int8 ? int8Scale(amax) : fp16Scale(amax); }
+// codes and r_out of s = x*scale + r_in with the segment's scale sc (r_in read before r_out is
+// written, element by element: the two may alias).
+XR_HD inline void segEncode(bool int8, const float* x, float scale, const float* r_in, float* r_out, uint8_t* codes,
+                            float sc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = add(mul(x[i], scale), r_in[i]);
+    float v;
+    if (int8) {
+      const int8_t c = int8Code(s, sc);
+      reinterpret_cast<int8_t*>(codes)[i] = c;
+      v = int8Value(c, sc);
+    } else {
+      const uint16_t c = fp16Code(s, sc);
+      memcpy(codes + 2 * i, &c, 2);
+      v = fp16Value(c, sc);
+    }
+    r_out[i] = scaledResidual(s, v, r_in[i]);
+  }
+}
+// The value of code i of a segment whose codes start at `codes`.
+XR_HD inline float segValue(bool int8, const uint8_t* codes, int64_t i, float sc) {
+  if (int8) return int8Value(reinterpret_cast<const int8_t*>(codes)[i], sc);
+  uint16_t c;
+  memcpy(&c, codes + 2 * i, 2);
+  return fp16Value(c, sc);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reductions (reduce.h's rules)
 // ---------------------------------------------------------------------------------------------

@@ -130,10 +130,13 @@ inline void allCollectives(Env& e) {
       }
     }
   }
-  // The BF16 error-feedback allreduce, ring (per-hop EF) and direct (EF at the sender), three
-  // steps with the residual carried (aliased for the ring, ping-pong for the direct form).
-  for (int form = 0; form < 2; ++form) {
-    const int64_t count = 1003;
+  // The error-feedback allreduce, BF16 ring (per-hop EF) and direct (EF at the sender) in BF16,
+  // FP16 and INT8 (3003 elements: chunks of several 1024-element scale segments at small WS),
+  // three steps with the residual carried (aliased for the ring, ping-pong for the direct form).
+  const xirang::codec::Wire direct_wire[] = {xirang::codec::Wire::BF16, xirang::codec::Wire::BF16,
+                                             xirang::codec::Wire::FP16, xirang::codec::Wire::INT8};
+  for (int form = 0; form < 4; ++form) {
+    const int64_t count = form < 2 ? 1003 : 3003;
     float* x = e.buf<float>(count);
     float* ra = e.buf<float>(count);
     float* rb = e.buf<float>(count);
@@ -148,7 +151,7 @@ inline void allCollectives(Env& e) {
       if (form == 0) {
         xirang::allreduceBF16EF(c, ctx, x, ra, ra, count);
       } else {
-        xirang::allreduceEFDirect(c, ctx, x, ra, rb, count, xirang::codec::Wire::BF16);
+        xirang::allreduceEFDirect(c, ctx, x, ra, rb, count, direct_wire[form]);
         std::swap(ra, rb);
       }
       e.finish();

@@ -347,6 +347,82 @@ TEST_CASE("kernels: the grid emulator runs the codec kernels with the CPU codec'
   }
 }
 
+TEST_CASE("kernels: the scaled wire kernels (fp16, int8) give the CPU codec's blocks and residuals at tail sizes",
+          "[elements][kernels]") {
+  REQUIRE(dv::kSegment == cd::kWireSegment);
+  std::mt19937 rng(777);
+  const int64_t most = (int64_t{1} << 20) + 3 + 1;
+  // Segments of different characters in turn: any floats (inf, NaN, huge, subnormal), gradient-like
+  // N(0, 1e-3), all zeros, gradient-like with one inf, one NaN and one value near FLT_MAX.
+  EFIn d = efInputs(rng, most);
+  std::normal_distribution<float> g(0.0f, 1e-3f);
+  for (int64_t i = 0; i < most; ++i) {
+    const int64_t kind = (i / cd::kWireSegment) % 4;
+    if (kind == 0) continue;
+    d.x[i] = kind == 2 ? 0.0f : g(rng);
+    d.r[i] = kind == 2 ? 0.0f : g(rng) * 1e-3f;
+    if (kind == 3 && i % cd::kWireSegment == 5) d.x[i] = floatOf(0x7F800000u);
+    if (kind == 3 && i % cd::kWireSegment == 6) d.x[i] = floatOf(0x7FC00000u);
+    if (kind == 3 && i % cd::kWireSegment == 7) d.x[i] = FLT_MAX;
+  }
+  const float scale = 1.0f / 3.0f;
+  std::vector<int64_t> sizes(std::begin(kTailSizes), std::end(kTailSizes));
+  for (int64_t n : {1023, 1024, 1025, 3 * 1024 + 17}) sizes.push_back(n);
+  for (cd::Wire w : {cd::Wire::FP16, cd::Wire::INT8}) {
+    const DType codes = cd::wireDType(w);
+    for (int64_t n : sizes) {
+      const size_t bytes = static_cast<size_t>(cd::blockBytes(w, n));
+      for (size_t off : {size_t{0}, size_t{1}}) {  // an odd offset: codes and scales unaligned
+        for (uint32_t max_blocks : {0u, 3u}) {
+          CAPTURE(cd::wireName(w), n, off, max_blocks);
+          const float* x = d.x.data() + off;
+          const float* r = d.r.data() + off;
+          const std::vector<float> rv(r, r + n);
+          std::vector<uint8_t> wb(bytes);
+          std::vector<float> wr(n);
+          cd::encodeBlockEF(w, x, scale, r, wr.data(), wb.data(), n);
+          // encode: separate and aliased residual
+          Padded<uint8_t> gb(static_cast<int64_t>(bytes), off, 0xA5);
+          Padded<float> gr(n, off, -7.0f);
+          dv::emulate(dv::Kernel::scaledEncodeEF(codes, x, scale, r, gr.data(), gb.data(), n), max_blocks, 64);
+          REQUIRE(firstDiff(gb.body(), wb) == wb.size());
+          REQUIRE(firstDiff(gr.body(), wr) == wr.size());
+          REQUIRE((gb.padIntact(0xA5) && gr.padIntact(-7.0f)));
+          Padded<float> ra(n, off, -7.0f);
+          std::copy(rv.begin(), rv.end(), ra.data());
+          dv::emulate(dv::Kernel::scaledEncodeEF(codes, x, scale, ra.data(), ra.data(), gb.data(), n), max_blocks, 64);
+          REQUIRE(firstDiff(ra.body(), wr) == wr.size());
+          // decode and decode-accumulate of the codec's block
+          Padded<uint8_t> blk(static_cast<int64_t>(bytes), off, 0xA5);
+          std::copy(wb.begin(), wb.end(), blk.data());
+          std::vector<float> want(n);
+          cd::decodeBlock(w, wb.data(), want.data(), n);
+          Padded<float> got(n, off, -7.0f);
+          dv::emulate(dv::Kernel::scaledDecode(codes, blk.data(), got.data(), n, false), max_blocks, 64);
+          REQUIRE(firstDiff(got.body(), want) == want.size());
+          REQUIRE(got.padIntact(-7.0f));
+          std::vector<float> acc0(n);  // finite: a NaN value then meets no NaN (two NaNs: only NaN-ness is defined)
+          for (int64_t i = 0; i < n; ++i) acc0[i] = 0.25f * static_cast<float>(i % 1000) - 100.0f;
+          std::vector<float> acc = acc0;
+          cd::decodeAccumulateBlock(w, wb.data(), acc.data(), n);
+          std::copy(acc0.begin(), acc0.end(), got.data());
+          dv::emulate(dv::Kernel::scaledDecode(codes, blk.data(), got.data(), n, true), max_blocks, 64);
+          REQUIRE(firstDiff(got.body(), acc) == acc.size());
+          REQUIRE(got.padIntact(-7.0f));
+        }
+      }
+    }
+  }
+  // The descriptor's checks.
+  float f = 0.0f;
+  uint8_t b[8] = {};
+  REQUIRE(dv::checkKernel(dv::Kernel::scaledEncodeEF(DType::BFloat16, &f, 1.0f, &f, &f, b, 1)).find("float16 or int8") !=
+          std::string::npos);
+  REQUIRE(dv::checkKernel(dv::Kernel::scaledDecode(DType::Int8, nullptr, &f, 1, false)).find("null block") !=
+          std::string::npos);
+  REQUIRE(dv::checkKernel(dv::Kernel::scaledDecode(DType::Float16, b, &f, 0, true)).empty());
+}
+
 namespace {
 
 // Random elements of dtype t for op (at most one NaN per pair of floats).

@@ -34,6 +34,7 @@
 
 #include "collective_cases.h"
 #include "core/algorithms/device_reducer.h"
+#include "core/codec.h"
 #include "core/device/kernels.h"
 #include "core/transport/nccl_link.h"
 #include "cuda/cuda_api.h"
@@ -215,6 +216,21 @@ void kernels() {
                     return dv::Kernel::accumulateEncodeEF(h(p[0]), f(p[1]), 0.5f, f(p[2]), f(p[3]), h(p[4]), n);
                   },
                   s);
+      for (xirang::codec::Wire w : {xirang::codec::Wire::FP16, xirang::codec::Wire::INT8}) {  // scaled wires
+        const DType codes = xirang::codec::wireDType(w);
+        const size_t nb = static_cast<size_t>(xirang::codec::blockBytes(w, n));
+        const std::string wn = xirang::codec::wireName(w);
+        checkKernel("scaled_encode_ef " + wn + tag,
+                    {{n4, Elem::F32, false}, {n4, Elem::F32, false}, {n4, Elem::F32, true}, {nb, Elem::Raw, true}}, mis,
+                    [&](P p) { return dv::Kernel::scaledEncodeEF(codes, f(p[0]), 0.37f, f(p[1]), f(p[2]), p[3], n); }, s);
+        checkKernel("scaled_encode_ef_aliased " + wn + tag,
+                    {{n4, Elem::F32, false}, {n4, Elem::F32, true}, {nb, Elem::Raw, true}}, mis,
+                    [&](P p) { return dv::Kernel::scaledEncodeEF(codes, f(p[0]), 1.0f, f(p[1]), f(p[1]), p[2], n); }, s);
+        for (bool acc : {false, true})
+          checkKernel(std::string(acc ? "scaled_decode_accumulate " : "scaled_decode ") + wn + tag,
+                      {{nb, Elem::Raw, false}, {n4, Elem::F32, true}}, mis,
+                      [&](P p) { return dv::Kernel::scaledDecode(codes, p[0], f(p[1]), n, acc); }, s);
+      }
       for (DType t : dtypes) {
         const size_t es = xirang::elementSize(t);
         const Elem el = elemOf(t);

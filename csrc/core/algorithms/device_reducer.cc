@@ -57,6 +57,15 @@ void DeviceReducer::decodeAccumulate(const uint16_t* in, float* acc, int64_t n) 
   run(Kernel::decodeAccumulate(in, acc, n));
 }
 
+void DeviceReducer::scaledEncodeEF(codec::Wire w, const float* x, float s, const float* r_in, float* r_out,
+                                   uint8_t* block, int64_t n) {
+  run(Kernel::scaledEncodeEF(codec::wireDType(w), x, s, r_in, r_out, block, n));
+}
+
+void DeviceReducer::scaledDecode(codec::Wire w, const uint8_t* block, float* out, int64_t n, bool accumulate) {
+  run(Kernel::scaledDecode(codec::wireDType(w), block, out, n, accumulate));
+}
+
 void DeviceReducer::combine16(const uint16_t* slots, int contributors, int64_t count, DType t, ReduceOp op, float pre,
                               float post, uint16_t* out) {
   run(Kernel::combine16(slots, contributors, count, t, op, pre, post, out));

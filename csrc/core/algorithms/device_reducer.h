@@ -33,6 +33,9 @@ class DeviceReducer : public Reducer {
                           uint16_t* out, int64_t n) override;
   void decode(const uint16_t* in, float* out, int64_t n) override;
   void decodeAccumulate(const uint16_t* in, float* acc, int64_t n) override;
+  void scaledEncodeEF(codec::Wire w, const float* x, float scale, const float* r_in, float* r_out, uint8_t* block,
+                      int64_t n) override;
+  void scaledDecode(codec::Wire w, const uint8_t* block, float* out, int64_t n, bool accumulate) override;
   void combine16(const uint16_t* slots, int contributors, int64_t count, DType t, ReduceOp op, float pre, float post,
                  uint16_t* out) override;
   void widen(const uint16_t* in, float* out, int64_t n, DType t) override;

@@ -95,27 +95,36 @@ namespace {
 void hostOnly(const Reducer& r, codec::Wire w) {
   if (r.memory() != transport::Memory::Host)
     throw std::runtime_error(std::string("xirang: the ") + codec::wireName(w) +
-                             " wire format runs on host memory only (no device kernels for it yet); use bf16");
+                             " wire format has no kernels on this reducer's memory; use bf16");
 }
 }  // namespace
 
 void Reducer::encodeBlockEF(codec::Wire w, const float* x, float scale, const float* r_in, float* r_out,
                             uint8_t* block, int64_t n) {
   if (w == codec::Wire::BF16) return encodeEF(x, scale, r_in, r_out, reinterpret_cast<uint16_t*>(block), n);
-  hostOnly(*this, w);
-  codec::encodeBlockEF(w, x, scale, r_in, r_out, block, n);
+  scaledEncodeEF(w, x, scale, r_in, r_out, block, n);
 }
 
 void Reducer::decodeBlock(codec::Wire w, const uint8_t* block, float* out, int64_t n) {
   if (w == codec::Wire::BF16) return decode(reinterpret_cast<const uint16_t*>(block), out, n);
-  hostOnly(*this, w);
-  codec::decodeBlock(w, block, out, n);
+  scaledDecode(w, block, out, n, false);
 }
 
 void Reducer::decodeAccumulateBlock(codec::Wire w, const uint8_t* block, float* acc, int64_t n) {
   if (w == codec::Wire::BF16) return decodeAccumulate(reinterpret_cast<const uint16_t*>(block), acc, n);
+  scaledDecode(w, block, acc, n, true);
+}
+
+void Reducer::scaledEncodeEF(codec::Wire w, const float* x, float scale, const float* r_in, float* r_out,
+                             uint8_t* block, int64_t n) {
   hostOnly(*this, w);
-  codec::decodeAccumulateBlock(w, block, acc, n);
+  codec::encodeBlockEF(w, x, scale, r_in, r_out, block, n);
+}
+
+void Reducer::scaledDecode(codec::Wire w, const uint8_t* block, float* out, int64_t n, bool accumulate) {
+  hostOnly(*this, w);
+  if (accumulate) codec::decodeAccumulateBlock(w, block, out, n);
+  else codec::decodeBlock(w, block, out, n);
 }
 
 }  // namespace xirang::algo

@@ -48,12 +48,16 @@ class Reducer {
 
   // The same three steps on a block of wire format w (codec.h: encodeBlockEF, decodeBlock,
   // decodeAccumulateBlock): BF16 is encodeEF / decode / decodeAccumulate above; FP16 and INT8
-  // run the host codec, on host memory only (std::runtime_error naming the format on a device
-  // reducer: their kernels are not written yet).
+  // are scaledEncodeEF / scaledDecode below.
   void encodeBlockEF(codec::Wire w, const float* x, float scale, const float* r_in, float* r_out, uint8_t* block,
                      int64_t n);
   void decodeBlock(codec::Wire w, const uint8_t* block, float* out, int64_t n);
   void decodeAccumulateBlock(codec::Wire w, const uint8_t* block, float* acc, int64_t n);
+  // FP16 / INT8 blocks (w is not BF16). This base runs the host codec (std::runtime_error naming
+  // the format when memory() is not Host and the reducer does not override them).
+  virtual void scaledEncodeEF(codec::Wire w, const float* x, float scale, const float* r_in, float* r_out,
+                              uint8_t* block, int64_t n);
+  virtual void scaledDecode(codec::Wire w, const uint8_t* block, float* out, int64_t n, bool accumulate);
 
   // 16-bit floats (t = Float16 or BFloat16) reduced once: out[i] = round16(post * fold_k(op,
   // pre * f32(slots[k*count + i]))) over k = 0..contributors-1 in that order, in fp32. Sum,

@@ -17,6 +17,9 @@ const char* kernelName(KernelKind k) {
     case KernelKind::Combine16: return "combine16";
     case KernelKind::Widen16: return "widen16";
     case KernelKind::Narrow16: return "narrow16";
+    case KernelKind::ScaledEncodeEF: return "scaledEncodeEF";
+    case KernelKind::ScaledDecode: return "scaledDecode";
+    case KernelKind::ScaledDecodeAccumulate: return "scaledDecodeAccumulate";
   }
   return "unknown";
 }
@@ -70,6 +73,17 @@ Kernel Kernel::narrow16(const float* in, uint16_t* out, int64_t n, DType t) {
   return Kernel{.kind = KernelKind::Narrow16, .dtype = t, .n = n, .x = in, .out = out};
 }
 
+Kernel Kernel::scaledEncodeEF(DType codes, const float* x, float scale, const float* r_in, float* r_out,
+                              uint8_t* block, int64_t n) {
+  return Kernel{.kind = KernelKind::ScaledEncodeEF, .dtype = codes, .n = n, .scale = scale, .x = x, .r_in = r_in,
+                .r_out = r_out, .out = block};
+}
+
+Kernel Kernel::scaledDecode(DType codes, const uint8_t* block, float* out, int64_t n, bool accumulate) {
+  return Kernel{.kind = accumulate ? KernelKind::ScaledDecodeAccumulate : KernelKind::ScaledDecode, .dtype = codes,
+                .n = n, .in = block, .out = out};
+}
+
 std::string checkKernel(const Kernel& k) {
   const std::string what = std::string("kernel ") + kernelName(k.kind) + ": ";
   if (k.n < 0) return what + "negative element count " + std::to_string(k.n);
@@ -96,6 +110,12 @@ std::string checkKernel(const Kernel& k) {
     case KernelKind::Narrow16:
       if (!is16) return what + "expects float16 or bfloat16, not " + dtypeName(k.dtype);
       break;
+    case KernelKind::ScaledEncodeEF:
+    case KernelKind::ScaledDecode:
+    case KernelKind::ScaledDecodeAccumulate:
+      if (k.dtype != DType::Float16 && k.dtype != DType::Int8)
+        return what + "codes are float16 or int8 (the fp16 / int8 wire), not " + dtypeName(k.dtype);
+      break;
     default:
       break;
   }
@@ -117,6 +137,11 @@ std::string checkKernel(const Kernel& k) {
       e = need(k.in, "input") + need(k.x, "x") + need(k.r_in, "r_in") + need(k.r_out, "r_out") + need(k.out, "output");
       break;
     case KernelKind::Scale: e = need(k.out, "data"); break;
+    case KernelKind::ScaledEncodeEF:
+      e = need(k.x, "x") + need(k.r_in, "r_in") + need(k.r_out, "r_out") + need(k.out, "block");
+      break;
+    case KernelKind::ScaledDecode:
+    case KernelKind::ScaledDecodeAccumulate: e = need(k.in, "block") + need(k.out, "output"); break;
   }
   return e;
 }

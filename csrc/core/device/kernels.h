@@ -243,6 +243,48 @@ struct Combine16 {
   }
 };
 
+// The scaled wire formats (codec.h: FP16, INT8; a block is the n codes, then one fp32 scale per
+// segment of kSegment elements). Encode: one work item per segment (its amax, its scale, its codes
+// and residuals: elements.h's segment functions, as the CPU codec's scalar path runs them), so a
+// segment's scale never needs a reduction across threads. Decode: one work item per element.
+constexpr int64_t kSegment = 1024;  // codec::kWireSegment (the Catch2 tests check they agree)
+
+struct ScaledEncodeEF {
+  static constexpr int kVec = 1;  // never vectorised (nvec = 0)
+  bool int8;
+  const float* x;
+  float scale;
+  const float* r_in;
+  float* r_out;
+  uint8_t* block;
+  int64_t n;  // elements
+  XR_HD void one(int64_t k) const {
+    const int64_t s0 = k * kSegment;
+    const int64_t m = n - s0 < kSegment ? n - s0 : kSegment;
+    const float sc = el::segScale(int8, el::segAmax(x + s0, scale, r_in + s0, m));
+    memcpy(block + (int8 ? 1 : 2) * n + 4 * k, &sc, 4);
+    el::segEncode(int8, x + s0, scale, r_in + s0, r_out + s0, block + (int8 ? 1 : 2) * s0, sc, m);
+  }
+  XR_HD void vec(int64_t v) const { one(v); }
+};
+
+// out = value i of the block (kAccumulate: out = out + value i).
+template <bool kAccumulate>
+struct ScaledDecode {
+  static constexpr int kVec = 1;
+  bool int8;
+  const uint8_t* block;
+  float* out;
+  int64_t n;  // elements
+  XR_HD void one(int64_t i) const {
+    float sc;
+    memcpy(&sc, block + (int8 ? 1 : 2) * n + 4 * (i / kSegment), 4);
+    const float v = el::segValue(int8, block, i, sc);
+    out[i] = kAccumulate ? el::add(out[i], v) : v;
+  }
+  XR_HD void vec(int64_t v) const { one(v); }
+};
+
 // ---------------------------------------------------------------------------------------------
 // Descriptor and dispatch
 // ---------------------------------------------------------------------------------------------
@@ -258,12 +300,16 @@ enum class KernelKind : uint8_t {
   Combine16,           // out(16-bit) = combine of `contributors` slots of n elements at in
   Widen16,             // out(fp32) = f32(in(16-bit dtype))
   Narrow16,            // out(16-bit dtype) = round16(x)
+  ScaledEncodeEF,      // out(block of dtype's codes + scales), r_out = EF encode of x*scale + r_in
+  ScaledDecode,        // out(fp32) = the values of block in
+  ScaledDecodeAccumulate,  // out(fp32) += the values of block in
 };
 const char* kernelName(KernelKind k);
 
 struct Kernel {
   KernelKind kind = KernelKind::Encode;
-  DType dtype = DType::Float32;    // Reduce, Scale; Combine16 / Widen16 / Narrow16: Float16 or BFloat16
+  DType dtype = DType::Float32;    // Reduce, Scale; Combine16 / Widen16 / Narrow16: Float16 or BFloat16;
+                                   // Scaled*: the codes' dtype, Float16 or Int8 (codec::wireDType)
   ReduceOp op = ReduceOp::Sum;     // Reduce (reduceInto's ops: Avg / PremulSum reduce as Sum), Combine16
                                    // (Sum, Product, Min, Max)
   int64_t n = 0;                   // elements (Combine16: elements per slot)
@@ -289,6 +335,10 @@ struct Kernel {
                           float post, uint16_t* out);
   static Kernel widen16(const uint16_t* in, float* out, int64_t n, DType t);
   static Kernel narrow16(const float* in, uint16_t* out, int64_t n, DType t);
+  // codes: Float16 (the fp16 wire) or Int8 (the int8 wire); n elements, the block as codec.h lays it out.
+  static Kernel scaledEncodeEF(DType codes, const float* x, float scale, const float* r_in, float* r_out,
+                               uint8_t* block, int64_t n);
+  static Kernel scaledDecode(DType codes, const uint8_t* block, float* out, int64_t n, bool accumulate);
 };
 
 // "" when k can run, else why not (the dtype / op it does not take, n < 0, a null pointer with
@@ -429,6 +479,18 @@ void visit(const Kernel& k, F&& launch) {
       const bool v = aligned(k.x, 16) && aligned(o, 8);
       return half ? go(Narrow16<true>{k.x, o}, k.n, v, launch) : go(Narrow16<false>{k.x, o}, k.n, v, launch);
     }
+    case KernelKind::ScaledEncodeEF:
+      return go(ScaledEncodeEF{k.dtype == DType::Int8, k.x, k.scale, k.r_in, k.r_out, static_cast<uint8_t*>(k.out),
+                               k.n},
+                (k.n + kSegment - 1) / kSegment, false, launch);
+    case KernelKind::ScaledDecode:
+      return go(ScaledDecode<false>{k.dtype == DType::Int8, static_cast<const uint8_t*>(k.in),
+                                    static_cast<float*>(k.out), k.n},
+                k.n, false, launch);
+    case KernelKind::ScaledDecodeAccumulate:
+      return go(ScaledDecode<true>{k.dtype == DType::Int8, static_cast<const uint8_t*>(k.in),
+                                   static_cast<float*>(k.out), k.n},
+                k.n, false, launch);
   }
 }
 

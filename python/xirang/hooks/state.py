@@ -178,7 +178,7 @@ class BF16ErrorFeedbackState(Checkpointing):
             owner, the owner sums the N contributions in fp32 and rounds once, an allgather of
             the rounded chunks follows): only the sender's and the owner's roundings occur,
             both kept in the residuals. Every rank must pass the same ``wire``. fp16 and int8
-            have a CPU codec only: CUDA gradients go through the host-staged path.
+            run the CPU codec: CUDA gradients go through the host-staged path.
 
     Memory: per compressed element 12 bytes on top of the gradient (residual 4, staging 4,
     packed buffer 4, all fp32); per plain element one packed copy in its dtype. Residuals are
