@@ -315,6 +315,8 @@ VARIANTS = [
     dict(),
     dict(gabv=True),
     dict(gabv=True, keep_grads=True),
+    dict(noncontig=True),
+    dict(noncontig=True, gabv=True),
     dict(static_graph=True),
     dict(find_unused=True, unused=True),
     dict(autocast=True),
@@ -336,6 +338,9 @@ def test_ws1_modes_exact_and_launches(ws1_group, var, early):
     model = hw.TinyLM(fp64=var.get("fp64", False), unused=var.get("unused", False))
     ref = hw.TinyLM(fp64=var.get("fp64", False), unused=var.get("unused", False))
     ref.load_state_dict(model.state_dict())
+    if var.get("noncontig"):  # a transposed weight (strides (1, D)), as channels_last convs have
+        for m in (model, ref):
+            m.blocks[1].fc.weight = nn.Parameter(m.blocks[1].fc.weight.detach().t().contiguous().t())
     kw = dict(gradient_as_bucket_view=var.get("gabv", False),
               static_graph=var.get("static_graph", False),
               find_unused_parameters=var.get("find_unused", False))

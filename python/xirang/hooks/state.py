@@ -469,15 +469,18 @@ class BF16ErrorFeedbackState(Checkpointing):
         if not (step.order if step is not None else self._launch_order()) or grad is None \
                 or grad.dtype != s.dtype or grad.layout != torch.strided:
             return  # still learning the order (or a step without one), or a gradient DDP would convert
-        if grad._base is not None:
+        if grad._base is not None or not s.param.is_contiguous():
             # .grad is DDP's bucket view (gradient_as_bucket_view, kept across steps): the views of
             # a bucket share one version counter, so a later rewrite of this .grad could not be
-            # told from a sibling's accumulation. Its group waits for the bucket instead.
+            # told from a sibling's accumulation. A parameter that is not contiguous (channels_last,
+            # a transposed weight): DDP's bucket holds its gradient in the parameter's memory order
+            # and hands the hook a contiguous view of it, so the bucket path packs memory order,
+            # while .grad would pack logical order. Either way its group waits for the bucket.
             if not self._warned_view:
                 self._warned_view = True
-                log.info("xirang hook: %s's .grad is a view of DDP's bucket (gradient_as_bucket_view with "
-                         "zero_grad(set_to_none=False)): such gradients are reduced from their bucket, not early",
-                         s.fqn)
+                log.info("xirang hook: %s is reduced from its DDP bucket, not early: %s", s.fqn,
+                         "its .grad is a view of the bucket (gradient_as_bucket_view with zero_grad(set_to_none=False))"
+                         if grad._base is not None else "the parameter is not contiguous (e.g. channels_last)")
             return
         t0 = time.perf_counter()
         if step is None:
