@@ -286,9 +286,11 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._warned_local = False
         self._warned_view = False
         # Residual updates of the last synced step that hold only if DDP delivered the output to
-        # .grad, which it does not for a parameter unused on every rank (see _settle): (slot, its
-        # residual before the step); and the parameters' indices in DDP's used map.
-        self._unsettled: Optional[List[Tuple[Slot, torch.Tensor]]] = None
+        # .grad, which it does not for a parameter unused on every rank (see _settle): the groups
+        # whose residuals were committed (the old ones are their `staged` buffers until the next
+        # launch) and, local path, (slot, residual before the fold); and the parameters' indices
+        # in DDP's used map.
+        self._unsettled: Optional[Tuple[List[Group], List[Tuple[Slot, torch.Tensor]]]] = None
         self._ddp_index: Optional[Dict[int, int]] = None
         self.steps = 0
         self.skipped_steps = 0
@@ -674,7 +676,7 @@ class BF16ErrorFeedbackState(Checkpointing):
                     if self._ddp_index is not None:
                         kept.append((s, r.clone()))
                     r.zero_()
-                self._unsettled = kept or None
+                self._unsettled = ([], kept) if kept else None
             else:
                 self.skipped_steps += 1
         self._local_last = (step.local_ops, step.local_bytes)
@@ -771,14 +773,20 @@ class BF16ErrorFeedbackState(Checkpointing):
         if used.numel() != len(self._ddp_index):
             return
         used = used.tolist()
+        if 0 not in used:
+            return
+        groups, folded = kept
+        pairs = [(s, g.staged) for g in groups for s in g.slots if s.kind == "ef"] + folded
         views = bool(getattr(self._ddp, "gradient_as_bucket_view", False))
-        for s, old in kept:
+        for s, old in pairs:
             i = self._ddp_index.get(id(s.param))
             if i is None or used[i] != 0:
                 continue
             g = s.param.grad
             if views and g is not None and g._base is not None:  # .grad is the bucket view: it got the output
                 continue
+            if old is s.group.staged:  # the group's whole old residual buffer
+                old = old[s.offset : s.offset + s.numel]
             s.group.residual[s.offset : s.offset + s.numel].copy_(old)
             self._residuals_dirty = True
 
@@ -786,14 +794,12 @@ class BF16ErrorFeedbackState(Checkpointing):
         launched = [(self._groups[i], gs) for i, gs in enumerate(step.groups) if gs.launched]
         finite = all(gs.finite for _, gs in launched)
         if finite and self.error_feedback:
-            kept = []
             for g, _ in launched:
                 if g.ef_numel:
                     g.residual, g.staged = g.staged, g.residual
                     self._residuals_dirty = True
-                    if self._ddp_index is not None:  # the old residuals, until _settle
-                        kept += [(s, g.staged[s.offset : s.offset + s.numel]) for s in g.slots if s.kind == "ef"]
-            self._unsettled = kept or None
+            if self._ddp_index is not None:  # the old residuals are the staged buffers, until _settle
+                self._unsettled = ([g for g, _ in launched if g.ef_numel], [])
         if not finite:
             self.skipped_steps += 1
         self._end_step([g for g, _ in launched])
