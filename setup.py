@@ -117,9 +117,7 @@ build_info.write_text(
     f"TORCH_VERSION = {torch.__version__!r}\n"
     f"XIRANG_VERSION = {version!r}\n"
     f"CUDA = {(torch.version.cuda if WITH_CUDA else None)!r}\n"
-    # The NCCL xirang itself links: none yet (CUDA tensors are host-staged over TCP); torch's
-    # own NCCL is torch.cuda.nccl.version().
-    "NCCL = None\n"
+    # No NCCL here: xirang links none; build_info()["nccl"] is the library loaded at run time.
 )
 
 # -ffp-contract=off: the codec's bits must not depend on FMA contraction.

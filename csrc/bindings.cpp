@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "cuda/codec_cuda.h"
+#include "cuda/nccl_api.h"
 #endif
 
 namespace py = pybind11;
@@ -193,6 +194,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("_codec_accumulate_encode_ef", &codecAccumulateEncodeEF, py::arg("input"), py::arg("x"), py::arg("scale"),
         py::arg("r_in"), py::arg("r_out") = py::none(), py::arg("out") = py::none());
 
+  m.def("nccl_version", []() -> py::object {
+#ifdef XIRANG_WITH_CUDA
+        const std::string v = xirang::cuda::ncclVersionString();
+        if (!v.empty()) return py::str(v);
+#endif
+        return py::none();
+      },
+      "The version ('2.27.3') of the libnccl.so.2 xirang loaded (cuda/nccl_api.h), or None: a build without "
+      "the CUDA path, or no NCCL loaded yet (it loads at the first XIRANG_CUDA_TRANSPORT=nccl group or op).");
   m.def("codec_path", [] { return std::string(xirang::codec::pathName(xirang::codec::activePath())); },
         "Name of the codec path in use: 'avx512bf16', 'avx2' or 'scalar' (XIRANG_CODEC overrides).");
   m.def("env_knobs", [] {

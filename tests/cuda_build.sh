@@ -11,7 +11,9 @@
 #     of the source tree in build/cuda-src (the work tree's python/xirang/_build_info.py and
 #     in-place _C.so stay those of the CPU build; the copy keeps ninja's objects between runs).
 #  3. From /tmp: import xirang, build_info()["cuda"] == torch.version.cuda, build_info()["nccl"]
-#     None (xirang links no NCCL yet), _C.CUDA_BUILT, a one-rank group and a CPU allreduce without touching CUDA.
+#     None (no NCCL loaded before it is asked for), _C.CUDA_BUILT, a one-rank group and a CPU allreduce without touching CUDA.
+#  3a. XIRANG_CUDA_TRANSPORT=nccl at group creation: the errors (missing library, elastic, an
+#      unknown value) and the wheel's library loaded (build_info()["nccl"]), no CUDA call.
 #  3b. Compile checks of the CUDA path: kernels.cu for sm_80 and sm_90 with warnings as errors
 #     (each kernel's registers / spills printed), the NCCL loader, no NCCL symbol in the built _C,
 #     tests/gpu/device_checks.cc links (section 3b below).
@@ -98,7 +100,7 @@ from xirang import _C
 bi = xirang.build_info()
 print("build_info:", bi)
 assert bi["cuda"] == torch.version.cuda, (bi["cuda"], torch.version.cuda)
-assert bi["nccl"] is None, f"build_info()['nccl'] is {bi['nccl']!r}: xirang links no NCCL (torch's is not xirang's)"
+assert bi["nccl"] is None, f"build_info()['nccl'] is {bi['nccl']!r} before any NCCL group or op (torch's is not xirang's)"
 assert _C.CUDA_BUILT is True, "xirang._C was built without the CUDA path"
 # No CUDA call until a CUDA tensor is seen: a group and a CPU allreduce leave CUDA alone.
 store = dist.HashStore()
@@ -118,6 +120,44 @@ EOF
     fail "import / build_info / group creation with torch $torch_version"
 fi
 pass "import, build_info cuda (nccl None), group without CUDA calls"
+
+# --- 3a. XIRANG_CUDA_TRANSPORT at group creation (no GPU needed) -------------------------------
+# A forced NCCL transport that cannot work is an error at group creation naming the cause: a
+# library path that does not exist (named), elastic mode, an unknown value; with the wheel's
+# library it loads at creation and build_info()["nccl"] reports the version loaded, still
+# without a CUDA call. Each case in its own process (the library loads once per process).
+nccl_case() {  # nccl_case NAME EXPECT ENV...: group creation under ENV; EXPECT "ok" or a message part
+    local name="$1" expect="$2"
+    shift 2
+    (cd /tmp && env "$@" "$PY" - "$expect" <<'EOF'
+import datetime, sys
+import torch, torch.distributed as dist
+import xirang
+expect = sys.argv[1]
+try:
+    dist.init_process_group("xirang", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+except Exception as e:  # noqa: BLE001
+    assert expect != "ok" and expect in str(e), f"expected {expect!r}, got: {e}"
+    print("raised as expected:", str(e).splitlines()[0][:200])
+    sys.exit(0)
+assert expect == "ok", f"group creation succeeded, expected an error containing {expect!r}"
+t = torch.arange(4, dtype=torch.float32)
+dist.all_reduce(t)
+assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+v = xirang.build_info()["nccl"]
+assert v and v[0].isdigit(), f"build_info()['nccl'] = {v!r} after loading NCCL"
+dist.destroy_process_group()
+assert not torch.cuda.is_initialized(), "a CPU op under XIRANG_CUDA_TRANSPORT=nccl initialised CUDA"
+print("created; NCCL", v, "loaded; no CUDA call")
+EOF
+    ) || fail "XIRANG_CUDA_TRANSPORT: $name"
+}
+nccl_case "missing library" "/nonexistent/libnccl.so.2" XIRANG_CUDA_TRANSPORT=nccl XIRANG_NCCL_LIBRARY=/nonexistent/libnccl.so.2
+nccl_case "elastic" "does not support elastic mode" XIRANG_CUDA_TRANSPORT=nccl XIRANG_ELASTIC=1
+nccl_case "unknown value" "must be auto, host or nccl" XIRANG_CUDA_TRANSPORT=gpu
+nccl_case "wheel's library" ok XIRANG_CUDA_TRANSPORT=nccl
+pass "XIRANG_CUDA_TRANSPORT=nccl at group creation: clear errors (missing library, elastic, unknown value); loads the wheel's NCCL"
 
 # --- 3b. compile checks of the CUDA path (no GPU) ---------------------------------------------
 # kernels.cu for sm_80 and sm_90 with every warning an error (nvcc's and the host compiler's

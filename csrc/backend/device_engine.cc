@@ -18,16 +18,21 @@ std::shared_ptr<OpStage> hostStage() {
   return stage;
 }
 
-DeviceEngines::DeviceEngines() {
+DeviceEngines::DeviceEngines() = default;
+DeviceEngines::~DeviceEngines() = default;
+
+void DeviceEngines::configure(const EngineSetup& setup) {
 #ifdef XIRANG_WITH_CUDA
-  cuda_ = std::make_unique<cudastage::Engine>();  // makes no CUDA call before its first op
+  cuda_ = std::make_unique<cudastage::Engine>(setup);  // makes no CUDA call before its first op
+#else
+  (void)setup;
 #endif
 }
 
-std::shared_ptr<OpStage> DeviceEngines::stageFor(const std::vector<at::Tensor>& tensors) {
+std::shared_ptr<OpStage> DeviceEngines::stageFor(const std::vector<at::Tensor>& tensors, bool device_link) {
   if (cuda_)
     for (const auto& t : tensors)
-      if (t.defined() && t.is_cuda()) return cuda_->stage();
+      if (t.defined() && t.is_cuda()) return cuda_->stage(device_link);
   return hostStage();
 }
 

@@ -3,22 +3,32 @@
 //
 // An entry point takes the op's stage from DeviceEngines::stageFor() (the one place that picks
 // an engine from the tensors' devices), binds every tensor through it, checks and describes the
-// op on the bound tensors and queues it; the algorithm runs on the bound tensors. Engines:
+// op on the bound tensors and queues it; the algorithm (host_engine.h) runs on the bound tensors
+// over the stage's comm(). Engines:
 //   host             (host_engine.h) CPU tensors: the bound tensor is the tensor itself and the
-//                    algorithm runs on it (core/collectives over TCP).
+//                    algorithm runs on it over the group's Comm (core/collectives over TCP or
+//                    shared memory).
 //   host-staged CUDA (cuda/cuda_stage.h, XIRANG_WITH_CUDA builds) CUDA tensors: the bound tensor
 //                    is a pinned host mirror, the host engine's algorithm runs on the mirrors
 //                    between copyIn() and copyOut() on a side stream, and the Work's outputs and
 //                    Future are the user's device tensors.
-// An engine that runs ops on the device itself (NCCL) plugs in here as a third one.
+//   NCCL             (cuda/cuda_stage.h, XIRANG_CUDA_TRANSPORT=nccl) CUDA tensors: the bound
+//                    tensor is the user's own; the same algorithm runs over the engine's device
+//                    Comm (transport/nccl_link.h + algorithms/device_reducer.h) with the side
+//                    stream current, so every kernel, copy and NCCL call is on that stream.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <c10/core/Device.h>
+
+#include "core/collectives.h"
+#include "core/store.h"
 
 namespace xirang {
 
@@ -45,9 +55,23 @@ class OpStage {
   // Caller's thread, when the op is queued: the inputs are ready (CUDA: an event on the caller's
   // current stream).
   virtual void queued() {}
+  // Communication thread: the op's body (the algorithm) between the stage's copies, when copies().
+  virtual void run(const std::function<void()>& body) {
+    copyIn();
+    body();
+    copyOut();
+  }
   // Communication thread, before and after the algorithm.
   virtual void copyIn() {}
   virtual void copyOut() {}
+  // Communication thread, inside run()'s body: the Comm the algorithm runs over. `host` is the
+  // group's (the host engines run over it); the NCCL engine returns its device Comm (same ranks
+  // and ring), making its communicator on the first op (collective: every rank's first CUDA
+  // op; c10::Error / TransportError / TimeoutError by ctx.deadline).
+  virtual const Comm& comm(const Comm& host, const OpCtx& ctx) {
+    (void)ctx;
+    return host;
+  }
   // Communication thread: completes the Work's Future with `value`.
   virtual void completeFuture(const c10::intrusive_ptr<c10::ivalue::Future>& fut, c10::IValue value) {
     fut->markCompleted(std::move(value));
@@ -65,21 +89,35 @@ class DeviceEngine {
  public:
   virtual ~DeviceEngine() = default;
   // A new op's stage (caller's thread). Throws c10::Error when the engine cannot run ops as
-  // configured (e.g. XIRANG_CUDA_TRANSPORT=nccl).
-  virtual std::shared_ptr<OpStage> stage() = 0;
+  // configured (e.g. XIRANG_CUDA_TRANSPORT=nccl without a usable NCCL library).
+  virtual std::shared_ptr<OpStage> stage(bool device_link) = 0;
+};
+
+// What the device engines need of their process group (the NCCL engine's communicator).
+struct EngineSetup {
+  std::shared_ptr<Store> store;
+  std::string key_ns;      // the group creation's store namespace (generation::keyNamespace)
+  std::string group_name;
+  int rank = 0, size = 1;
+  bool elastic = false;
 };
 
 // The engines of one process group.
 class DeviceEngines {
  public:
   DeviceEngines();
+  ~DeviceEngines();
   DeviceEngines(const DeviceEngines&) = delete;
   DeviceEngines& operator=(const DeviceEngines&) = delete;
+  // Once, in the group's constructor, before the first op.
+  void configure(const EngineSetup& setup);
 
   // The stage of an op on `tensors` (undefined ones ignored): the CUDA engine's when any is a
-  // CUDA tensor (its bind() passes CPU tensors through), else the host's. Ops without a device
-  // path take hostStage() and their checks reject device tensors.
-  std::shared_ptr<OpStage> stageFor(const std::vector<at::Tensor>& tensors);
+  // CUDA tensor, else the host's. Ops without a device path take hostStage() and their checks
+  // reject device tensors. `device_link`: whether the op may run over a device link (NCCL);
+  // point-to-point passes false and gets the host-staged stage whatever XIRANG_CUDA_TRANSPORT is.
+  // Throws c10::Error when the configured CUDA transport cannot run (engine's stage()).
+  std::shared_ptr<OpStage> stageFor(const std::vector<at::Tensor>& tensors, bool device_link = true);
 
  private:
   std::unique_ptr<DeviceEngine> cuda_;  // null in a build without the CUDA path

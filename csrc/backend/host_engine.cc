@@ -244,12 +244,15 @@ void allgather(const Comm& comm, const OpCtx& ctx, const std::vector<at::Tensor>
 // rank's block, and block r is unpacked into outs[r].
 void allgatherCoalesced(const Comm& comm, const OpCtx& ctx, const std::vector<at::Tensor>& ins,
                         const std::vector<std::vector<at::Tensor>>& outs, uint64_t bytes, int size) {
-  at::Tensor flat = at::empty({static_cast<int64_t>(bytes) * size}, at::TensorOptions().dtype(at::kByte));
+  // On the inputs' device; the copies are the comm's reducer's (memcpy on the host, a copy on
+  // the device link's stream).
+  at::Tensor flat = at::empty({static_cast<int64_t>(bytes) * size},
+                              at::TensorOptions().dtype(at::kByte).device(ins.empty() ? at::Device(at::kCPU) : ins[0].device()));
   uint8_t* base = flat.data_ptr<uint8_t>();
   uint64_t off = 0;
   for (const auto& in : ins) {
     const uint64_t b = nbytes(in);
-    if (b) std::memcpy(base + bytes * comm.rank + off, in.contiguous().data_ptr(), b);
+    if (b) comm.reducer->copy(base + bytes * comm.rank + off, in.contiguous().data_ptr(), b);
     off += b;
   }
   std::vector<RecvSeg> blocks;
@@ -261,7 +264,7 @@ void allgatherCoalesced(const Comm& comm, const OpCtx& ctx, const std::vector<at
       const uint64_t b = nbytes(o);
       if (b) {
         at::Tensor dst = contiguousOut(o);
-        std::memcpy(dst.data_ptr(), base + bytes * r + off, b);
+        comm.reducer->copy(dst.data_ptr(), base + bytes * r + off, b);
         if (!dst.is_same(o)) o.copy_(dst);
       }
       off += b;
@@ -275,7 +278,7 @@ void reduceScatterBase(const Comm& comm, const OpCtx& ctx, const at::Tensor& out
                                                      : input.reshape(-1).clone(at::MemoryFormat::Contiguous);
   const DType wire = toDType(buf.scalar_type());
   const Scaling sc = scalingFor(op, premul, size);  // AVG divides before the sum: no overflow
-  if (sc.factor != 1.0) scale(buf.data_ptr(), buf.numel(), wire, sc.factor);
+  if (sc.factor != 1.0) comm.reducer->scale(buf.data_ptr(), buf.numel(), wire, sc.factor);
   const uint64_t b = static_cast<uint64_t>(output.numel()) * buf.element_size();
   std::vector<RecvSeg> blocks;
   for (int r = 0; r < size; ++r) blocks.push_back(RecvSeg{static_cast<uint8_t*>(buf.data_ptr()) + b * r, b});

@@ -26,7 +26,7 @@ c10::intrusive_ptr<WorkXirang> PointToPoint::post(bool is_send, int peer, int ta
                                                   c10d::OpType type, const char* title) {
   queue_.checkPoisoned();
   const std::string opname = std::string(title).substr(std::strlen("xirang:"));
-  auto stage = engines_.stageFor({t});
+  auto stage = engines_.stageFor({t}, /*device_link=*/false);  // point to point: TCP (host-staged for CUDA)
   at::Tensor buf = stage->bind(t, /*copy_in=*/is_send, /*copy_out=*/!is_send);
   auto work = c10::make_intrusive<WorkXirang>(rank_, type, title, std::vector<at::Tensor>{t},
                                               std::optional<std::vector<at::Tensor>>(std::vector<at::Tensor>{t}), stage);

@@ -77,6 +77,9 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   store_ = std::make_shared<StoreAdapter>(store);
   if (cfg_.generation.empty())
     cfg_.generation = agreeGeneration(store, rank, size, cfg_.timeout, cfg_.join, cfg_.group_name);
+  // Before anything starts a thread: a CUDA transport that cannot work fails the creation here.
+  engines_.configure({.store = store_, .key_ns = generation::keyNamespace(cfg_.generation), .group_name = cfg_.group_name,
+                      .rank = rank, .size = size, .elastic = cfg_.elastic});
   std::string algo;
   Comm comm = configure(rank, size, cfg_, algo);
   records_ = std::make_unique<Records>(rank, size, cfg_);
@@ -174,7 +177,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce(std::vector<at::Ten
   return enqueue({.type = c10d::OpType::ALLREDUCE, .title = "xirang:all_reduce", .kind = OpKind::Allreduce,
                   .outputs = ts, .inputs = ts, .dtype = toDType(t.scalar_type()), .reduce = op,
                   .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout},
-                 stage, [this, t, op, premul](OpCtx& ctx) { host::allreduce(comm(), ctx, t, op, premul); });
+                 stage, [this, stage, t, op, premul](OpCtx& ctx) { host::allreduce(stage->comm(comm(), ctx), ctx, t, op, premul); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -194,7 +197,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce_coalesced(std::vect
   return enqueue({.type = c10d::OpType::ALLREDUCE_COALESCED, .title = "xirang:all_reduce_coalesced",
                   .kind = OpKind::Allreduce, .outputs = ts, .inputs = ts, .dtype = toDType(ts[0].scalar_type()),
                   .reduce = op, .numel = total, .timeout = opts.timeout},
-                 stage, [this, ts, op, premul](OpCtx& ctx) { host::allreduceCoalesced(comm(), ctx, ts, op, premul); });
+                 stage, [this, stage, ts, op, premul](OpCtx& ctx) { host::allreduceCoalesced(stage->comm(comm(), ctx), ctx, ts, op, premul); });
 }
 
 // One sparse COO CPU tensor, ReduceOp.SUM (host::allreduceSparse). The Work's result() and
@@ -261,8 +264,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceEF(at::Tensor buffer
   return enqueue({.type = c10d::OpType::ALLREDUCE, .title = groupTitle(group_id), .kind = OpKind::AllreduceEF,
                   .outputs = outs, .inputs = outs, .dtype = DType::Float32, .reduce = ReduceOp::Avg, .numel = numel,
                   .group_id = group_id, .label = std::move(label), .save = std::move(save), .wire = wire},
-                 stage, [this, buffer, residual, staged, plain, wire](OpCtx& ctx) {
-                   host::allreduceEF(comm(), ctx, buffer, residual, staged, plain, wire);
+                 stage, [this, stage, buffer, residual, staged, plain, wire](OpCtx& ctx) {
+                   host::allreduceEF(stage->comm(comm(), ctx), ctx, buffer, residual, staged, plain, wire);
                  });
 }
 
@@ -279,11 +282,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Ten
   return enqueue({.type = c10d::OpType::BROADCAST, .title = "xirang:broadcast", .kind = OpKind::Broadcast,
                   .outputs = ts, .inputs = ts, .dtype = toDType(t.scalar_type()),
                   .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout},
-                 stage, [this, t, root](OpCtx& ctx) {
+                 stage, [this, stage, t, root](OpCtx& ctx) {
                    if (!membership_->live(root))
                      throw MembershipChanged(rankPrefix(rank_) + "broadcast: root rank " +
                                              std::to_string(root) + " is not live (" + membership_->text() + ")");
-                   host::broadcast(comm(), ctx, t, root);
+                   host::broadcast(stage->comm(comm(), ctx), ctx, t, root);
                  });
 }
 
@@ -302,7 +305,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce(std::vector<at::Tensor
   return enqueue({.type = c10d::OpType::REDUCE, .title = "xirang:reduce", .kind = OpKind::Reduce, .outputs = ts,
                   .inputs = ts, .dtype = toDType(t.scalar_type()), .reduce = op,
                   .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout},
-                 stage, [this, t, op, premul, root](OpCtx& ctx) { host::reduce(comm(), ctx, t, op, premul, root); });
+                 stage, [this, stage, t, op, premul, root](OpCtx& ctx) { host::reduce(stage->comm(comm(), ctx), ctx, t, op, premul, root); });
 }
 
 namespace {
@@ -329,7 +332,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_allgather_base(at::Tensor& o
                   .kind = OpKind::Allgather, .outputs = {output}, .inputs = {input},
                   .dtype = toDType(input.scalar_type()), .numel = static_cast<uint64_t>(input.numel()),
                   .timeout = opts.timeout},
-                 stage, [this, output, input](OpCtx& ctx) { host::allgatherBase(comm(), ctx, output, input, size_); });
+                 stage, [this, stage, output, input](OpCtx& ctx) { host::allgatherBase(stage->comm(comm(), ctx), ctx, output, input, size_); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather(std::vector<std::vector<at::Tensor>>& outputs_,
@@ -355,7 +358,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather(std::vector<std::ve
   return enqueue({.type = c10d::OpType::ALLGATHER, .title = "xirang:all_gather", .kind = OpKind::Allgather,
                   .outputs = outs, .inputs = inputs, .dtype = toDType(in.scalar_type()),
                   .numel = static_cast<uint64_t>(in.numel()), .timeout = opts.timeout},
-                 stage, [this, outs, in](OpCtx& ctx) { host::allgather(comm(), ctx, outs, in, size_); });
+                 stage, [this, stage, outs, in](OpCtx& ctx) { host::allgather(stage->comm(comm(), ctx), ctx, outs, in, size_); });
 }
 
 // all_gather_coalesced: outputs[r][i] receives rank r's inputs[i] (torch's documented layout and
@@ -400,8 +403,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_coalesced(std::vect
   return enqueue({.type = c10d::OpType::ALLGATHER_COALESCED, .title = "xirang:all_gather_coalesced",
                   .kind = OpKind::Allgather, .outputs = flat_outs, .inputs = inputs, .dtype = dtype, .numel = numel,
                   .timeout = opts.timeout},
-                 stage, [this, inputs, outputs, bytes](OpCtx& ctx) {
-                   host::allgatherCoalesced(comm(), ctx, inputs, outputs, bytes, size_);
+                 stage, [this, stage, inputs, outputs, bytes](OpCtx& ctx) {
+                   host::allgatherCoalesced(stage->comm(comm(), ctx), ctx, inputs, outputs, bytes, size_);
                  });
 }
 
@@ -439,8 +442,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_reduce_scatter_base(at::Tens
                   .kind = OpKind::ReduceScatter, .outputs = {output}, .inputs = {input},
                   .dtype = toDType(input.scalar_type()), .reduce = op, .numel = static_cast<uint64_t>(input.numel()),
                   .timeout = opts.timeout},
-                 stage, [this, output, input, op, premul](OpCtx& ctx) {
-                   host::reduceScatterBase(comm(), ctx, output, input, op, premul, size_);
+                 stage, [this, stage, output, input, op, premul](OpCtx& ctx) {
+                   host::reduceScatterBase(stage->comm(comm(), ctx), ctx, output, input, op, premul, size_);
                  });
 }
 
@@ -484,8 +487,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall_base(at::Tensor& out
   return enqueue({.type = c10d::OpType::ALLTOALL_BASE, .title = "xirang:all_to_all", .kind = OpKind::Alltoall,
                   .outputs = {output}, .inputs = {input}, .dtype = toDType(input.scalar_type()),
                   .numel = static_cast<uint64_t>(input.numel()), .timeout = opts.timeout},
-                 stage, [this, output, input, in_rows, out_rows](OpCtx& ctx) {
-                   host::alltoallBase(comm(), ctx, output, input, in_rows, out_rows, size_);
+                 stage, [this, stage, output, input, in_rows, out_rows](OpCtx& ctx) {
+                   host::alltoallBase(stage->comm(comm(), ctx), ctx, output, input, in_rows, out_rows, size_);
                  });
 }
 
@@ -507,7 +510,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall(std::vector<at::Tens
                   .outputs = outputs, .inputs = inputs, .dtype = toDType(inputs[0].scalar_type()), .numel = total,
                   .timeout = opts.timeout},
                  stage,
-                 [this, outs = outputs, ins = inputs](OpCtx& ctx) { host::alltoall(comm(), ctx, outs, ins, size_); });
+                 [this, stage, outs = outputs, ins = inputs](OpCtx& ctx) { host::alltoall(stage->comm(comm(), ctx), ctx, outs, ins, size_); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::gather(std::vector<std::vector<at::Tensor>>& outputs_,
@@ -526,7 +529,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::gather(std::vector<std::vecto
   return enqueue({.type = c10d::OpType::GATHER, .title = "xirang:gather", .kind = OpKind::Gather, .outputs = outs,
                   .inputs = inputs, .dtype = toDType(in.scalar_type()), .numel = static_cast<uint64_t>(in.numel()),
                   .timeout = opts.timeout},
-                 stage, [this, in, outs, root](OpCtx& ctx) { host::gather(comm(), ctx, in, outs, root); });
+                 stage, [this, stage, in, outs, root](OpCtx& ctx) { host::gather(stage->comm(comm(), ctx), ctx, in, outs, root); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::scatter(std::vector<at::Tensor>& outputs_,
@@ -545,7 +548,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::scatter(std::vector<at::Tenso
   return enqueue({.type = c10d::OpType::SCATTER, .title = "xirang:scatter", .kind = OpKind::Scatter,
                   .outputs = outputs, .inputs = ins, .dtype = toDType(out.scalar_type()),
                   .numel = static_cast<uint64_t>(out.numel()), .timeout = opts.timeout},
-                 stage, [this, out, ins, root](OpCtx& ctx) { host::scatter(comm(), ctx, out, ins, root); });
+                 stage, [this, stage, out, ins, root](OpCtx& ctx) { host::scatter(stage->comm(comm(), ctx), ctx, out, ins, root); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::barrier(const c10d::BarrierOptions& opts) {

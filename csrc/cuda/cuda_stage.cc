@@ -1,7 +1,12 @@
 // The host-staged CUDA engine: see cuda_stage.h.
 #include "cuda/cuda_stage.h"
 
+#include "backend/tensors.h"
+#include "core/algorithms/device_reducer.h"
 #include "core/env.h"
+#include "core/transport/nccl_link.h"
+#include "cuda/cuda_api.h"
+#include "cuda/nccl_api.h"
 
 #include <map>
 #include <string>
@@ -19,13 +24,10 @@
 
 namespace xirang::cudastage {
 
-void checkTransport() {
+Transport transportSetting() {
   const std::string t = env::get("XIRANG_CUDA_TRANSPORT");  // declared in core/env.cc
-  if (t == "auto" || t == "host") return;
-  TORCH_CHECK(t != "nccl",
-              "xirang: XIRANG_CUDA_TRANSPORT=nccl: the NCCL transport for CUDA tensors is not implemented yet; "
-              "unset it or use 'auto'/'host' (host-staged: pinned host buffers and the TCP ring), or use "
-              "'cpu:xirang,cuda:nccl'");
+  if (t == "auto" || t == "host") return Transport::Host;
+  if (t == "nccl") return Transport::Nccl;
   TORCH_CHECK(false, "xirang: XIRANG_CUDA_TRANSPORT must be auto, host or nccl, got '", t, "'");
 }
 
@@ -99,8 +101,7 @@ struct Stage::Events {
 Stage::Stage(Streams& streams) : streams_(streams.impl()) {}
 Stage::~Stage() = default;
 
-at::Tensor Stage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
-  if (!t.defined() || !t.is_cuda()) return t;
+void Stage::track(const at::Tensor& t) {
   TORCH_CHECK(t.layout() == at::kStrided, "xirang: sparse CUDA tensors are not supported");
   if (entries_.empty()) {
     device_ = t.device();
@@ -108,6 +109,11 @@ at::Tensor Stage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
   }
   TORCH_CHECK(t.device() == device_, "xirang: all CUDA tensors of one operation must be on one device, got ",
               device_, " and ", t.device());
+}
+
+at::Tensor Stage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
+  if (!t.defined() || !t.is_cuda()) return t;
+  track(t);
   at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
   entries_.push_back(Entry{t, host, copy_in, copy_out});
   return host;
@@ -173,8 +179,115 @@ bool Stage::query() {
   return ev_->done.query();
 }
 
-std::shared_ptr<OpStage> Engine::stage() {
-  checkTransport();
+// ---------------------------------------------------------------- the NCCL engine
+
+// One group's communicator and what runs over it; made by the first NCCL op (comm thread).
+struct NcclDevice {
+  explicit NcclDevice(const EngineSetup& s) : setup(s) {}
+  const EngineSetup setup;
+  std::mutex mu;
+  c10::Device device{c10::kCPU};
+  // Destroyed in reverse: the device Comm and scratch (stream-ordered frees on the link's
+  // stream) before the link (which destroys or aborts the communicator).
+  std::unique_ptr<transport::NcclLink> link;
+  std::unique_ptr<algo::DeviceReducer> reducer;
+  std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();
+  Comm comm;
+};
+
+NcclStage::NcclStage(Streams& streams, std::shared_ptr<NcclDevice> dev) : Stage(streams), dev_(std::move(dev)) {}
+NcclStage::~NcclStage() = default;
+
+at::Tensor NcclStage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
+  if (!t.defined()) return t;
+  if (!t.is_cuda()) {
+    TORCH_CHECK(t.numel() == 0, "xirang: XIRANG_CUDA_TRANSPORT=nccl: every tensor of an operation on CUDA tensors must be "
+                "on that GPU, got a ", t.device(), " tensor of ", t.numel(), " elements (use XIRANG_CUDA_TRANSPORT=host "
+                "to mix devices)");
+    return t;
+  }
+  track(t);
+  entries_.push_back(Entry{t, t, copy_in, copy_out});
+  return t;
+}
+
+const Comm& NcclStage::comm(const Comm& host, const OpCtx& ctx) {
+  NcclDevice& d = *dev_;
+  std::lock_guard<std::mutex> g(d.mu);
+  if (entries_.empty()) return host;  // only empty CPU tensors: nothing to move
+  deadline_ = ctx.deadline;
+  if (!d.link) {
+    c10::cuda::CUDAGuard guard(device_);
+    device::NcclApi& nccl = cuda::ncclApi();  // loadable: Engine::stage() checked it
+    const std::string key = d.setup.key_ns + "/nccl/" + d.setup.group_name + "/epoch0";
+    const int rank = host.rank, size = host.size();
+    device::NcclUniqueId id = transport::shareNcclUniqueId(nccl, *d.setup.store, key, rank, ctx.deadline);
+    device::NcclComm c = transport::initNcclComm(nccl, id, rank, size, ctx.deadline, d.setup.group_name);
+    auto stream = reinterpret_cast<device::Stream>(ev_->side.stream());
+    d.link = std::make_unique<transport::NcclLink>(nccl, cuda::runtimeApi(), c, rank, size, stream);
+    d.reducer = std::make_unique<algo::DeviceReducer>(cuda::runtimeApi(), cuda::kernelApi(), stream);
+    d.device = device_;
+    env::log(env::Level::Info, rank, "group '" + d.setup.group_name + "': NCCL communicator of " +
+                                         std::to_string(size) + " ranks on " + device_.str() + " (NCCL " +
+                                         cuda::ncclVersionString() + ", " + cuda::ncclLibraryPath() + ")");
+  }
+  TORCH_CHECK(device_ == d.device, "xirang: XIRANG_CUDA_TRANSPORT=nccl: group '", d.setup.group_name,
+              "' runs over NCCL on ", d.device, ", got tensors on ", device_,
+              " (one device per process group: make a group per device, or use XIRANG_CUDA_TRANSPORT=host)");
+  d.comm = host;
+  d.comm.link = d.link.get();
+  d.comm.reducer = d.reducer.get();
+  d.comm.shm = nullptr;
+  d.comm.scratch = d.scratch;
+  linked_ = true;
+  return d.comm;
+}
+
+void NcclStage::run(const std::function<void()>& body) {
+  if (entries_.empty()) {
+    body();
+    return;
+  }
+  c10::cuda::CUDAGuard dg(device_);
+  ev_->ready.block(ev_->side);
+  {
+    c10::cuda::CUDAStreamGuard sg(ev_->side);
+    body();
+    for (auto& e : entries_)
+      c10::cuda::CUDACachingAllocator::recordStream(e.user.storage().data_ptr(), ev_->side);
+    ev_->done.record(ev_->side);
+    ev_->done_recorded = true;
+  }
+  if (linked_) dev_->link->synchronize(deadline_);  // made by comm(), kept for the group
+  else ev_->side.synchronize();
+}
+
+Engine::Engine(const EngineSetup& setup) : setup_(setup), nccl_(std::make_shared<NcclDevice>(setup)) {
+  if (transportSetting() == Transport::Nccl) checkNccl();
+}
+
+Engine::~Engine() = default;
+
+void Engine::checkNccl() const {
+  TORCH_CHECK(!setup_.elastic, rankPrefix(setup_.rank), "group '", setup_.group_name,
+              "': XIRANG_CUDA_TRANSPORT=nccl does not support elastic mode (XIRANG_ELASTIC=1) yet: a rebuilt ring "
+              "needs a new communicator; use XIRANG_CUDA_TRANSPORT=host");
+  std::string why;
+  TORCH_CHECK(cuda::tryNcclApi(&why) != nullptr, rankPrefix(setup_.rank), "group '", setup_.group_name,
+              "': XIRANG_CUDA_TRANSPORT=nccl: ", why);
+}
+
+std::shared_ptr<OpStage> Engine::stage(bool device_link) {
+  const Transport t = transportSetting();
+  if (t == Transport::Nccl) checkNccl();
+  std::call_once(said_, [&] {
+    env::log(env::Level::Info, setup_.rank,
+             "group '" + setup_.group_name + "': CUDA tensors run " +
+                 (t == Transport::Nccl ? std::string("over NCCL (XIRANG_CUDA_TRANSPORT=nccl; point-to-point host-staged)")
+                                       : std::string("host-staged: pinned host buffers and the TCP/shared-memory "
+                                                     "engine (XIRANG_CUDA_TRANSPORT=nccl runs them over NCCL)")));
+  });
+  if (t == Transport::Nccl && device_link) return std::make_shared<NcclStage>(streams_, nccl_);
   return std::make_shared<Stage>(streams_);
 }
 

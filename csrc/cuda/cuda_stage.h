@@ -1,7 +1,9 @@
-// The host-staged CUDA engine of ProcessGroupXirang (backend/device_engine.h; built only with
-// XIRANG_WITH_CUDA).
+// The CUDA engines of ProcessGroupXirang (backend/device_engine.h; built only with
+// XIRANG_WITH_CUDA). XIRANG_CUDA_TRANSPORT picks one per op: "auto" (default) and "host" the
+// host-staged engine, "nccl" the NCCL engine; point-to-point is host-staged in every case.
 //
-// One operation on CUDA tensors runs the host engine's algorithm on pinned host mirrors:
+// Host-staged: one operation on CUDA tensors runs the host engine's algorithm on pinned host
+// mirrors:
 //   caller's thread  Stage::bind() makes a pinned host mirror per CUDA tensor (CPU tensors pass
 //                    through); Stage::queued() records an event on the caller's current
 //                    stream (where DDP fills its buckets) - the op queue calls it;
@@ -12,10 +14,30 @@
 //                    current (the Future records its own events there);
 //   caller's wait()  block(): the caller's current stream waits on the done event; the CPU
 //                    does not wait for the copies.
+//
+// NCCL (NcclStage): the same algorithm on the user's tensors themselves, over the engine's
+// device Comm (transport/nccl_link.h over the dlopen'ed libnccl.so.2, algorithms/
+// device_reducer.h's kernels), every kernel, copy and NCCL call on the side stream:
+//   caller's thread  bind() returns the tensor itself; queued() records the ready event;
+//   comm thread      run(): the side stream waits on the ready event; the body runs with the
+//                    side stream current (torch's own copies in host_engine.cc go there too);
+//                    recordStream of every tensor, the done event; then NcclLink::synchronize
+//                    under the op's deadline, so an NCCL error or a hang ends this op with an
+//                    error (no watchdog thread: the comm thread waits for the device, the
+//                    caller's CPU does not);
+//   caller's wait()  as above: its stream waits on the done event.
+// The communicator: one per group, made at the group's first NCCL op (rank 0's unique id under
+// the store key <creation namespace>/nccl/<group>/epoch0; non-blocking init, bounded by that
+// op's deadline), on the device of that op's tensors; its ranks are the group's.
+// Not yet: elastic mode (a rebuilt ring needs a new communicator: refused with a clear error),
+// several devices per group, and "auto" choosing NCCL (it stays host-staged until the GPU script
+// tests/gpu/run_checks.sh has run this engine on a GPU).
+//
 // Side streams: one per device and process group (c10::cuda::getStreamFromPool), made on first
 // use. Nothing here makes a CUDA call before the first CUDA tensor is seen.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -28,9 +50,10 @@
 
 namespace xirang::cudastage {
 
-// XIRANG_CUDA_TRANSPORT: "auto" (default) or "host" -> the host-staged transport; "nccl" throws
-// c10::Error (not implemented yet); anything else throws naming the accepted values.
-void checkTransport();
+enum class Transport { Host, Nccl };
+// XIRANG_CUDA_TRANSPORT: "auto" (default) and "host" -> Host, "nccl" -> Nccl; anything else
+// throws c10::Error naming the accepted values.
+Transport transportSetting();
 
 struct StreamsImpl;
 // The side streams of one process group.
@@ -72,25 +95,55 @@ class Stage : public OpStage {
   // Whether the copies back have finished (true when none were enqueued).
   bool query() override;
 
- private:
+ protected:
   struct Entry {
     at::Tensor user, host;
     bool copy_in, copy_out;
   };
   struct Events;
+  // A CUDA tensor of the op: strided, on the op's one device; the first one picks the device
+  // and its side stream (c10::Error otherwise).
+  void track(const at::Tensor& t);
   StreamsImpl* streams_;
   std::vector<Entry> entries_;
   c10::Device device_{c10::kCPU};
   std::unique_ptr<Events> ev_;
 };
 
-// The engine: one group's side streams; stage() checks XIRANG_CUDA_TRANSPORT (each op).
-class Engine : public DeviceEngine {
+struct NcclDevice;
+// The NCCL engine's stage (see the top of this file).
+class NcclStage : public Stage {
  public:
-  std::shared_ptr<OpStage> stage() override;
+  NcclStage(Streams& streams, std::shared_ptr<NcclDevice> dev);
+  ~NcclStage() override;
+
+  // t itself. A CPU tensor is accepted only when empty (the hook's placeholders): the device
+  // link moves device memory (c10::Error naming the tensor's size otherwise).
+  at::Tensor bind(const at::Tensor& t, bool copy_in, bool copy_out) override;
+  void run(const std::function<void()>& body) override;
+  const Comm& comm(const Comm& host, const OpCtx& ctx) override;
 
  private:
+  std::shared_ptr<NcclDevice> dev_;
+  transport::Deadline deadline_{};
+  bool linked_ = false;  // comm() handed out the device Comm
+};
+
+// The engine: one group's side streams and NCCL communicator; stage() reads
+// XIRANG_CUDA_TRANSPORT (each op).
+class Engine : public DeviceEngine {
+ public:
+  // "nccl" set now: the NCCL library must load and the group must not be elastic (c10::Error).
+  explicit Engine(const EngineSetup& setup);
+  ~Engine() override;
+  std::shared_ptr<OpStage> stage(bool device_link) override;
+
+ private:
+  void checkNccl() const;
+  EngineSetup setup_;
   Streams streams_;
+  std::shared_ptr<NcclDevice> nccl_;
+  std::once_flag said_;  // the INFO line naming the transport, once per group
 };
 
 }  // namespace xirang::cudastage

@@ -26,8 +26,10 @@ def build_info() -> dict:
     """What this xirang was built with.
 
     Returns a dict: xirang (version), torch (the version built against), torch_running,
-    cuda (CUDA version of the CUDA path, None when not built), nccl (the NCCL xirang links:
-    None, as xirang does not use NCCL yet; torch's own is torch.cuda.nccl.version()),
+    cuda (CUDA version of the CUDA path, None when not built), nccl (the version of the
+    libnccl.so.2 xirang loaded at run time, e.g. '2.27.3'; None before a group or op with
+    XIRANG_CUDA_TRANSPORT=nccl loaded it, and in a build without the CUDA path; torch's own is
+    torch.cuda.nccl.version()),
     compiler, codec (SIMD path in use: 'avx512bf16', 'avx2' or 'scalar').
     Raises TorchVersionMismatch if the running torch differs from the one built against.
     """
@@ -41,7 +43,7 @@ def build_info() -> dict:
         "torch": _build_info.TORCH_VERSION,
         "torch_running": torch.__version__,
         "cuda": _build_info.CUDA,
-        "nccl": _build_info.NCCL,
+        "nccl": C.nccl_version(),
         "compiler": C.COMPILER,
         "codec": C.codec_path(),
     }

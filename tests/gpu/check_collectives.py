@@ -1,11 +1,12 @@
-"""GPU check: 4 ranks sharing GPU 0 through xirang's host-staged CUDA transport.
+"""GPU check: 4 ranks sharing GPU 0 through xirang's host-staged CUDA transport, or (with
+XIRANG_CUDA_TRANSPORT=nccl, WORLD 1: NCCL refuses two ranks on one GPU) the NCCL engine.
 
     python tests/gpu/check_collectives.py OUT_DIR [WORLD]
 
 Each rank runs every op twice, on CUDA tensors and on CPU copies of the same inputs (the CPU
 path is the reference: same algorithm, so the results must be bitwise equal), then an allreduce
 issued while the caller's stream is still writing the input (torch.cuda._sleep, then an in-place
-add): the result must come from the finished values. Rank 0 writes OUT_DIR/collectives.json.
+add): the result must come from the finished values. Rank 0 writes OUT_DIR/collectives.json (collectives-nccl.json under XIRANG_CUDA_TRANSPORT=nccl).
 """
 import datetime
 import json
@@ -28,6 +29,7 @@ def worker(rank, world, port, out, q):
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
         g = torch.Generator().manual_seed(100 + rank)
+        root = min(1, world - 1)  # the rooted ops' root
 
         def same(x, y):
             x, y = x.cpu().contiguous().view(-1), y.contiguous().view(-1)
@@ -61,8 +63,8 @@ def worker(rank, world, port, out, q):
         # broadcast
         base = torch.randn(77_777, generator=g)
         c, h = base.to(dev), base.clone()
-        dist.broadcast(c, src=1)
-        dist.broadcast(h, src=1)
+        dist.broadcast(c, src=root)
+        dist.broadcast(h, src=root)
         check("broadcast", c, h)
         # all_gather (list) and all_gather_into_tensor
         base = torch.randn(10_001, generator=g)
@@ -81,7 +83,7 @@ def worker(rank, world, port, out, q):
         dist.reduce_scatter_tensor(oc, base.to(dev))
         dist.reduce_scatter_tensor(oh, base.clone())
         check("reduce_scatter_tensor", oc, oh)
-        # reduce_scatter (list), all_to_all (list), gather and scatter (root 1)
+        # reduce_scatter (list), all_to_all (list), gather and scatter (rooted at `root`)
         ins = [torch.randn(2049, generator=g) for _ in range(world)]
         oc, oh = torch.empty(2049, device=dev), torch.empty(2049)
         dist.reduce_scatter(oc, [t.to(dev) for t in ins])
@@ -93,15 +95,15 @@ def worker(rank, world, port, out, q):
         dist.all_to_all(outs_h, [t.clone() for t in ins])
         check("all_to_all", outs_c, outs_h)
         base = torch.randn(3001, generator=g)
-        gc = [torch.empty(3001, device=dev) for _ in range(world)] if rank == 1 else None
-        gh = [torch.empty(3001) for _ in range(world)] if rank == 1 else None
-        dist.gather(base.to(dev), gc, dst=1)
-        dist.gather(base.clone(), gh, dst=1)
-        check("gather", gc if rank == 1 else [], gh if rank == 1 else [])
+        gc = [torch.empty(3001, device=dev) for _ in range(world)] if rank == root else None
+        gh = [torch.empty(3001) for _ in range(world)] if rank == root else None
+        dist.gather(base.to(dev), gc, dst=root)
+        dist.gather(base.clone(), gh, dst=root)
+        check("gather", gc if rank == root else [], gh if rank == root else [])
         parts = [torch.randn(3001, generator=g) for _ in range(world)]
         sc_, sh_ = torch.empty(3001, device=dev), torch.empty(3001)
-        dist.scatter(sc_, [t.to(dev) for t in parts] if rank == 1 else None, src=1)
-        dist.scatter(sh_, [t.clone() for t in parts] if rank == 1 else None, src=1)
+        dist.scatter(sc_, [t.to(dev) for t in parts] if rank == root else None, src=root)
+        dist.scatter(sh_, [t.clone() for t in parts] if rank == root else None, src=root)
         check("scatter", sc_, sh_)
         # the hook's op: allreduce_ef on CUDA tensors vs CPU tensors
         pg = dist.distributed_c10d._get_default_group()
@@ -156,7 +158,8 @@ def main():
     for p in procs:
         p.join(30)
     ok = all("error" not in res and all(res.values()) for res in got.values()) and len(got) == world
-    with open(os.path.join(out, "collectives.json"), "w") as f:
+    name = "collectives-nccl.json" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl" else "collectives.json"
+    with open(os.path.join(out, name), "w") as f:
         json.dump({"ok": ok, "ranks": got}, f, indent=1)
     for r in sorted(got):
         for k, v in got[r].items():

@@ -18,6 +18,9 @@
 #   kernel_bits  CUDA kernels == CPU codec bits (tests/gpu/check_kernels.py bits)
 #   kernel_speed kernels vs device-to-device copy at 256 MiB, target >= 0.8 (check_kernels.py speed)
 #   collectives  4 ranks on GPU 0, host-staged: == CPU path bitwise; allreduce behind a long kernel
+#   collectives_nccl  the same checks through the backend's NCCL engine (XIRANG_CUDA_TRANSPORT=nccl),
+#                one rank (NCCL refuses two ranks on one GPU): the device Comm, kernels on the side
+#                stream, the stream discipline and the communicator's creation through the store
 #   ddp          DDP + xirang hook, 50 steps: loss within 2% of gloo fp32, replicas bitwise equal
 #   nocuda       XIRANG_BUILD_CUDA=0 build (another dir): CUDA tensor -> "CUDA path is not built";
 #                skipped when under 100 s of the budget are left
@@ -108,6 +111,8 @@ step kernel_speed 40 "$PY" "$root/tests/gpu/check_kernels.py" "$OUT" speed
 grep -h "speed" "$OUT/kernel_speed.log" >> "$summary" 2>/dev/null
 step collectives 90 "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 4
 grep -h "FAIL" "$OUT/collectives.log" >> "$summary" 2>/dev/null
+step collectives_nccl 60 env XIRANG_CUDA_TRANSPORT=nccl XIRANG_DEBUG=INFO "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 1
+grep -h "FAIL\|NCCL communicator" "$OUT/collectives_nccl.log" >> "$summary" 2>/dev/null
 step ddp 120 "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50
 grep -h "ddp" "$OUT/ddp.log" >> "$summary" 2>/dev/null
 
