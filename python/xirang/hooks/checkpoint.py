@@ -119,7 +119,7 @@ class Checkpointing:
                 )
             g = s.group
             if g.residual is None:
-                g.residual = torch.zeros(g.ef_numel, dtype=torch.float32)
+                g.residual = torch.zeros(g.ef_numel, dtype=torch.float32, device=g.device)
             g.residual[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
         self._residuals_dirty = True
         return unknown

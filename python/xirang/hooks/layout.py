@@ -58,17 +58,36 @@ class Group:
         self.sum_comm_s = 0.0
         self.grad_ready_t: Optional[float] = None  # written by post-accumulate-grad hooks
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the group's parameters, where its buffers and residual live (CUDA
+        gradients are packed, checked and reduced on their GPU: no host copy in the hook).
+        ``ValueError`` when the group's parameters are on several devices."""
+        devs = {s.param.device for s in self.slots}
+        if len(devs) > 1:
+            raise ValueError(
+                f"layer group {self.index} ({', '.join(self.layer_names)}) has parameters on "
+                f"{sorted(str(d) for d in devs)}: the hook packs a group on one device; pass layers= "
+                "so that no group spans devices"
+            )
+        return next(iter(devs)) if devs else torch.device("cpu")
+
     def ensure_buffers(self) -> None:
         """Allocate the packed buffers (fp32 ``[ef_numel]`` input/output, residual and staging;
-        one ``[n]`` buffer per plain dtype) if not yet there; a restored residual is kept."""
+        one ``[n]`` buffer per plain dtype) on :attr:`device` if not yet there; a restored
+        residual is kept (moved to the device)."""
+        if (self.ef_numel and self.ef_buf is None) or len(self.plain_bufs) < len(self.plain_numel):
+            dev = self.device  # only when allocating: this runs for every group of every step
         if self.ef_numel and self.ef_buf is None:
-            self.ef_buf = torch.empty(self.ef_numel, dtype=torch.float32)
+            self.ef_buf = torch.empty(self.ef_numel, dtype=torch.float32, device=dev)
             if self.residual is None:
-                self.residual = torch.zeros(self.ef_numel, dtype=torch.float32)
-            self.staged = torch.zeros(self.ef_numel, dtype=torch.float32)
+                self.residual = torch.zeros(self.ef_numel, dtype=torch.float32, device=dev)
+            elif self.residual.device != dev:
+                self.residual = self.residual.to(dev)
+            self.staged = torch.zeros(self.ef_numel, dtype=torch.float32, device=dev)
         for dt, n in self.plain_numel.items():
             if dt not in self.plain_bufs:
-                self.plain_bufs[dt] = torch.empty(n, dtype=dt)
+                self.plain_bufs[dt] = torch.empty(n, dtype=dt, device=dev)
         for s in self.slots:
             if s.view is None:
                 buf = self.ef_buf if s.kind == "ef" else self.plain_bufs[s.dtype]
