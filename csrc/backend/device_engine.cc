@@ -36,4 +36,8 @@ std::shared_ptr<OpStage> DeviceEngines::stageFor(const std::vector<at::Tensor>& 
   return hostStage();
 }
 
+void DeviceEngines::abort(const std::string& why) {
+  if (cuda_) cuda_->abort(why);
+}
+
 }  // namespace xirang

@@ -49,8 +49,10 @@ class OpStage {
   virtual at::Tensor userTensor(const at::Tensor& t) const { return t; }
   // The devices of the op's Future (none: CPU).
   virtual std::vector<c10::Device> devices() const { return {}; }
-  // Whether copyIn()/copyOut() do anything.
+  // Whether copyIn()/copyOut() (or run()) do anything.
   virtual bool copies() const { return false; }
+  // Whether bind() hands back device tensors (the NCCL engine), which the checks then accept.
+  virtual bool bindsDevice() const { return false; }
 
   // Caller's thread, when the op is queued: the inputs are ready (CUDA: an event on the caller's
   // current stream).
@@ -91,6 +93,9 @@ class DeviceEngine {
   // A new op's stage (caller's thread). Throws c10::Error when the engine cannot run ops as
   // configured (e.g. XIRANG_CUDA_TRANSPORT=nccl without a usable NCCL library).
   virtual std::shared_ptr<OpStage> stage(bool device_link) = 0;
+  // Any thread: ends the engine's own communication at once (the group was poisoned or aborted:
+  // a wait on the NCCL link fails now instead of at its deadline); later ops on it fail.
+  virtual void abort(const std::string& why) { (void)why; }
 };
 
 // What the device engines need of their process group (the NCCL engine's communicator).
@@ -118,6 +123,8 @@ class DeviceEngines {
   // point-to-point passes false and gets the host-staged stage whatever XIRANG_CUDA_TRANSPORT is.
   // Throws c10::Error when the configured CUDA transport cannot run (engine's stage()).
   std::shared_ptr<OpStage> stageFor(const std::vector<at::Tensor>& tensors, bool device_link = true);
+  // DeviceEngine::abort of every engine (any thread).
+  void abort(const std::string& why);
 
  private:
   std::unique_ptr<DeviceEngine> cuda_;  // null in a build without the CUDA path

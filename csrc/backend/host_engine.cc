@@ -244,10 +244,16 @@ void allgather(const Comm& comm, const OpCtx& ctx, const std::vector<at::Tensor>
 // rank's block, and block r is unpacked into outs[r].
 void allgatherCoalesced(const Comm& comm, const OpCtx& ctx, const std::vector<at::Tensor>& ins,
                         const std::vector<std::vector<at::Tensor>>& outs, uint64_t bytes, int size) {
-  // On the inputs' device; the copies are the comm's reducer's (memcpy on the host, a copy on
-  // the device link's stream).
-  at::Tensor flat = at::empty({static_cast<int64_t>(bytes) * size},
-                              at::TensorOptions().dtype(at::kByte).device(ins.empty() ? at::Device(at::kCPU) : ins[0].device()));
+  // In the comm's memory (the device of the inputs that hold data: an empty placeholder may be a
+  // CPU tensor); the copies are the comm's reducer's (memcpy on the host, a copy on the device
+  // link's stream).
+  at::Device dev(at::kCPU);
+  for (const auto& in : ins)
+    if (in.numel() > 0) {
+      dev = in.device();
+      break;
+    }
+  at::Tensor flat = at::empty({static_cast<int64_t>(bytes) * size}, at::TensorOptions().dtype(at::kByte).device(dev));
   uint8_t* base = flat.data_ptr<uint8_t>();
   uint64_t off = 0;
   for (const auto& in : ins) {

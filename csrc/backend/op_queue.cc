@@ -38,6 +38,7 @@ bool OpQueue::poison(const std::string& msg) {
     if (poison_.empty()) poison_ = msg;
   }
   membership_.stopHeartbeat();
+  if (first && on_poison_) on_poison_(msg);
   return first;
 }
 

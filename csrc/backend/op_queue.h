@@ -16,6 +16,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -81,9 +82,12 @@ class OpQueue {
   // shut down.
   c10::intrusive_ptr<WorkXirang> enqueue(OpSpec spec, std::shared_ptr<OpStage> stage, OpFn fn);
 
-  // Records the group's first error (every later op raises it) and stops this rank's heartbeat.
-  // Returns whether it was the first one of a running group.
+  // Records the group's first error (every later op raises it), stops this rank's heartbeat and,
+  // the first time, calls the onPoison callback (the device engines' abort). Returns whether it
+  // was the first one of a running group.
   bool poison(const std::string& msg);
+  // Set once, before start().
+  void onPoison(std::function<void(const std::string&)> fn) { on_poison_ = std::move(fn); }
   // Throws c10::Error once the group is poisoned or shut down.
   void checkPoisoned();
   // The group's first error ("" while there is none).
@@ -111,6 +115,7 @@ class OpQueue {
   bool stop_ = false;
   std::string poison_;
   std::thread thread_;
+  std::function<void(const std::string&)> on_poison_;
 };
 
 }  // namespace xirang

@@ -100,6 +100,7 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
                codec::pathName(codec::activePath()));
   records_->start();
   queue_ = std::make_unique<OpQueue>(rank, cfg_, *membership_, *records_);
+  queue_->onPoison([this](const std::string& msg) { engines_.abort(msg); });  // an NCCL wait fails at once
   p2p_ = std::make_unique<PointToPoint>(rank, cfg_, *queue_, *membership_, *records_, engines_);
   queue_->setSeq(membership_->start());
   queue_->start();
@@ -169,7 +170,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce(std::vector<at::Ten
   auto stage = engines_.stageFor(tensors);
   std::vector<at::Tensor> ts = stage->bind(tensors, true, true);
   XR_CHECK(rank_, ts.size() == 1, "allreduce takes exactly one tensor per process, got ", ts.size());
-  checkTensors(rank_, "allreduce", ts);
+  checkTensors(rank_, "allreduce", ts, stage->bindsDevice());
   at::Tensor t = ts[0];
   const ReduceOp op = toReduceOp(opts.reduceOp);
   checkReduce(rank_, "allreduce", t.scalar_type(), op);
@@ -185,7 +186,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce_coalesced(std::vect
   auto stage = engines_.stageFor(tensors);
   std::vector<at::Tensor> ts = stage->bind(tensors, true, true);
   XR_CHECK(rank_, !ts.empty(), "allreduce_coalesced: no tensors");
-  checkTensors(rank_, "allreduce_coalesced", ts);
+  checkTensors(rank_, "allreduce_coalesced", ts, stage->bindsDevice());
   uint64_t total = 0;
   for (auto& t : ts) {
     checkSameType(rank_, "allreduce_coalesced", ts[0], t);
@@ -236,8 +237,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceEF(at::Tensor buffer
   residual = stage->bind(residual, true, false);
   staged = stage->bind(staged, false, true);
   plain = stage->bind(plain, true, true);
-  checkTensors(rank_, op.c_str(), {buffer, residual, staged});
-  checkTensors(rank_, op.c_str(), plain);
+  checkTensors(rank_, op.c_str(), {buffer, residual, staged}, stage->bindsDevice());
+  checkTensors(rank_, op.c_str(), plain, stage->bindsDevice());
   for (const auto& t : plain)
     XR_CHECK(rank_, t.is_floating_point(), op, ": plain tensors must be floating, got ", t.scalar_type());
   for (const auto* t : {&buffer, &residual, &staged}) {
@@ -275,7 +276,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Ten
   const bool is_root = opts.rootRank == rank_;
   std::vector<at::Tensor> ts = stage->bind(tensors, /*copy_in=*/is_root, /*copy_out=*/!is_root);
   XR_CHECK(rank_, ts.size() == 1, "broadcast takes exactly one tensor per process, got ", ts.size());
-  checkTensors(rank_, "broadcast", ts);
+  checkTensors(rank_, "broadcast", ts, stage->bindsDevice());
   XR_CHECK(rank_, opts.rootRank >= 0 && opts.rootRank < size_, "broadcast: invalid root ", opts.rootRank);
   at::Tensor t = ts[0];
   const int root = static_cast<int>(opts.rootRank);
@@ -295,7 +296,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce(std::vector<at::Tensor
   auto stage = engines_.stageFor(tensors);
   std::vector<at::Tensor> ts = stage->bind(tensors, true, /*copy_out=*/opts.rootRank == rank_);
   XR_CHECK(rank_, ts.size() == 1, "reduce takes exactly one tensor per process");
-  checkTensors(rank_, "reduce", ts);
+  checkTensors(rank_, "reduce", ts, stage->bindsDevice());
   XR_CHECK(rank_, opts.rootRank >= 0 && opts.rootRank < size_, "reduce: invalid root ", opts.rootRank);
   at::Tensor t = ts[0];
   const ReduceOp op = toReduceOp(opts.reduceOp);
@@ -316,7 +317,7 @@ std::shared_ptr<OpStage> bindPair(DeviceEngines& engines, int rank, const char* 
   auto stage = engines.stageFor({output_, input_});
   output = stage->bind(output_, false, true);
   input = stage->bind(input_, true, false);
-  checkTensors(rank, name, {output, input});
+  checkTensors(rank, name, {output, input}, stage->bindsDevice());
   checkSameType(rank, name, output, input);
   return stage;
 }
@@ -347,8 +348,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather(std::vector<std::ve
   XR_CHECK(rank_, static_cast<int>(outputs[0].size()) == size_, "allgather: output list has ", outputs[0].size(),
            " tensors, expected world size ", size_);
   at::Tensor in = inputs[0];
-  checkTensors(rank_, "allgather", inputs);
-  checkTensors(rank_, "allgather", outputs[0]);
+  checkTensors(rank_, "allgather", inputs, stage->bindsDevice());
+  checkTensors(rank_, "allgather", outputs[0], stage->bindsDevice());
   for (auto& o : outputs[0]) {
     checkSameType(rank_, "allgather", in, o);
     XR_CHECK(rank_, o.numel() == in.numel(), "allgather: output tensor has ", o.numel(), " elements, input ",
@@ -378,7 +379,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_coalesced(std::vect
   XR_CHECK(rank_, static_cast<int>(outputs.size()) == size_, "allgather_coalesced: got ", outputs.size(),
            " output lists, expected one per rank (world size ", size_,
            "): output_tensor_lists[r][i] receives rank r's input i");
-  checkTensors(rank_, "allgather_coalesced", inputs);
+  checkTensors(rank_, "allgather_coalesced", inputs, stage->bindsDevice());
   uint64_t bytes = 0, numel = 0;
   bool one_dtype = true;
   for (const auto& in : inputs) {
@@ -390,7 +391,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_coalesced(std::vect
   for (int r = 0; r < size_; ++r) {
     XR_CHECK(rank_, outputs[r].size() == inputs.size(), "allgather_coalesced: output list ", r, " has ",
              outputs[r].size(), " tensors for ", inputs.size(), " inputs");
-    checkTensors(rank_, "allgather_coalesced", outputs[r]);
+    checkTensors(rank_, "allgather_coalesced", outputs[r], stage->bindsDevice());
     for (size_t i = 0; i < inputs.size(); ++i) {
       const at::Tensor& o = outputs[r][i];
       checkSameType(rank_, "allgather_coalesced", inputs[i], o);
@@ -500,8 +501,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall(std::vector<at::Tens
   std::vector<at::Tensor> outputs = stage->bind(outputs_, false, true);
   XR_CHECK(rank_, static_cast<int>(outputs.size()) == size_ && static_cast<int>(inputs.size()) == size_,
            "alltoall: expected ", size_, " input and output tensors, got ", inputs.size(), " and ", outputs.size());
-  checkTensors(rank_, "alltoall", inputs);
-  checkTensors(rank_, "alltoall", outputs);
+  checkTensors(rank_, "alltoall", inputs, stage->bindsDevice());
+  checkTensors(rank_, "alltoall", outputs, stage->bindsDevice());
   for (auto& t : inputs) checkSameType(rank_, "alltoall", inputs[0], t);
   for (auto& t : outputs) checkSameType(rank_, "alltoall", inputs[0], t);
   uint64_t total = 0;
@@ -521,11 +522,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::gather(std::vector<std::vecto
   for (const auto& l : outputs_) outputs.push_back(stage->bind(l, false, true));
   std::vector<at::Tensor> inputs = stage->bind(inputs_, true, false);
   XR_CHECK(rank_, inputs.size() == 1, "gather takes exactly one input tensor");
-  checkTensors(rank_, "gather", inputs);
+  checkTensors(rank_, "gather", inputs, stage->bindsDevice());
   const int root = static_cast<int>(opts.rootRank);
   XR_CHECK(rank_, root >= 0 && root < size_, "gather: invalid root ", root);
   at::Tensor in = inputs[0];
-  std::vector<at::Tensor> outs = rootList(rank_, size_, root, "gather", in, outputs, "output", "input");
+  std::vector<at::Tensor> outs = rootList(rank_, size_, root, "gather", in, outputs, "output", "input", stage->bindsDevice());
   return enqueue({.type = c10d::OpType::GATHER, .title = "xirang:gather", .kind = OpKind::Gather, .outputs = outs,
                   .inputs = inputs, .dtype = toDType(in.scalar_type()), .numel = static_cast<uint64_t>(in.numel()),
                   .timeout = opts.timeout},
@@ -540,11 +541,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::scatter(std::vector<at::Tenso
   for (const auto& l : inputs_) inputs.push_back(stage->bind(l, true, false));
   std::vector<at::Tensor> outputs = stage->bind(outputs_, false, true);
   XR_CHECK(rank_, outputs.size() == 1, "scatter takes exactly one output tensor");
-  checkTensors(rank_, "scatter", outputs);
+  checkTensors(rank_, "scatter", outputs, stage->bindsDevice());
   const int root = static_cast<int>(opts.rootRank);
   XR_CHECK(rank_, root >= 0 && root < size_, "scatter: invalid root ", root);
   at::Tensor out = outputs[0];
-  std::vector<at::Tensor> ins = rootList(rank_, size_, root, "scatter", out, inputs, "input", "output");
+  std::vector<at::Tensor> ins = rootList(rank_, size_, root, "scatter", out, inputs, "input", "output", stage->bindsDevice());
   return enqueue({.type = c10d::OpType::SCATTER, .title = "xirang:scatter", .kind = OpKind::Scatter,
                   .outputs = outputs, .inputs = ins, .dtype = toDType(out.scalar_type()),
                   .numel = static_cast<uint64_t>(out.numel()), .timeout = opts.timeout},

@@ -92,14 +92,14 @@ void checkReduce(int rank, const char* op, at::ScalarType t, ReduceOp r) {
 
 std::vector<at::Tensor> rootList(int rank, int size, int root, const char* op, const at::Tensor& mine,
                                  const std::vector<std::vector<at::Tensor>>& lists, const char* theirs,
-                                 const char* ours) {
+                                 const char* ours, bool cuda_ok) {
   if (rank != root) {
     XR_CHECK(rank, lists.empty() || lists[0].empty(), op, ": only the root passes ", theirs, " tensors");
     return {};
   }
   XR_CHECK(rank, lists.size() == 1 && static_cast<int>(lists[0].size()) == size, op, ": the root needs a list of ",
            size, " ", theirs, " tensors");
-  checkTensors(rank, op, lists[0]);
+  checkTensors(rank, op, lists[0], cuda_ok);
   for (const auto& t : lists[0]) {
     checkSameType(rank, op, mine, t);
     XR_CHECK(rank, t.numel() == mine.numel(), op, ": ", theirs, " has ", t.numel(), " elements, ", ours, " ",

@@ -34,8 +34,8 @@ inline bool is16BitFloat(at::ScalarType t) { return t == at::kHalf || t == at::k
 inline uint64_t nbytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
 // Every tensor of `ts` is defined, dense and on the CPU; else c10::Error naming rank and op.
-// cuda_ok: CUDA tensors are the caller's to handle (point-to-point stages them itself; only in a
-// build with the CUDA path).
+// cuda_ok: CUDA tensors are the caller's to handle (point-to-point stages them itself; the NCCL
+// engine's stage binds them as they are: OpStage::bindsDevice(); only in a build with the CUDA path).
 void checkTensors(int rank, const char* op, const std::vector<at::Tensor>& ts, bool cuda_ok = false);
 void checkSameType(int rank, const char* op, const at::Tensor& a, const at::Tensor& b);
 // `r` is defined on tensors of dtype `t` (16-bit floats reduce as float32).
@@ -44,7 +44,7 @@ void checkReduce(int rank, const char* op, at::ScalarType t, ReduceOp r);
 // "output" / "input") like `mine` in dtype and numel; elsewhere none (returns an empty list).
 std::vector<at::Tensor> rootList(int rank, int size, int root, const char* op, const at::Tensor& mine,
                                  const std::vector<std::vector<at::Tensor>>& lists, const char* theirs,
-                                 const char* ours);
+                                 const char* ours, bool cuda_ok = false);
 // alltoall_base's row counts per rank: `splits` checked against t's dim 0, or dim 0 split evenly.
 std::vector<int64_t> alltoallRows(int rank, int size, const at::Tensor& t, const std::vector<int64_t>& splits,
                                   const char* which);

@@ -25,7 +25,7 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_TRANSPORT_LOCAL", "auto", "ranks of a group on the same host (same XIRANG_HOST label): auto (shared memory when every one of them can map one segment, else TCP, with an INFO line saying why), shm (shared memory or a creation error naming the rank and why), tcp (sockets); must agree across the group's ranks", T::String, R::Group},
       {"XIRANG_CODEC", "auto", "codec path: auto, avx512bf16, avx2, scalar", T::String, R::Process},
       {"XIRANG_NCCL_LIBRARY", "", "the NCCL library to dlopen (a path or file name) instead of searching: the copy already loaded by torch, torch's nvidia-nccl wheel, then the loader's path", T::String, R::Process},
-      {"XIRANG_CUDA_TRANSPORT", "auto", "CUDA tensors: auto or host (pinned host staging + the CPU engine) or nccl (the NCCL engine; not yet run on a GPU; auto does not pick it yet)", T::String, R::Op},
+      {"XIRANG_CUDA_TRANSPORT", "auto", "CUDA tensors: auto or host (pinned host staging + the CPU engine) or nccl (the NCCL engine; not yet run on a GPU; auto does not pick it yet); every rank of a group must agree", T::String, R::Group},
       {"XIRANG_ALGO", "auto", "allreduce algorithm: auto, ring, direct, two_level", T::String, R::Group},
       {"XIRANG_RING_ORDER", "topology", "ring order: topology (rack, host, rank) or rank", T::String, R::Group},
       {"XIRANG_HOST", "", "host label of this rank (default: hostname)", T::String, R::Group},

@@ -9,6 +9,7 @@
 #include "cuda/nccl_api.h"
 
 #include <map>
+#include <optional>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -24,11 +25,11 @@
 
 namespace xirang::cudastage {
 
-Transport transportSetting() {
+Transport transportSetting(int rank) {
   const std::string t = env::get("XIRANG_CUDA_TRANSPORT");  // declared in core/env.cc
   if (t == "auto" || t == "host") return Transport::Host;
   if (t == "nccl") return Transport::Nccl;
-  TORCH_CHECK(false, "xirang: XIRANG_CUDA_TRANSPORT must be auto, host or nccl, got '", t, "'");
+  TORCH_CHECK(false, rankPrefix(rank), "XIRANG_CUDA_TRANSPORT must be auto, host or nccl, got '", t, "'");
 }
 
 struct StreamsImpl {
@@ -101,11 +102,13 @@ struct Stage::Events {
 Stage::Stage(Streams& streams) : streams_(streams.impl()) {}
 Stage::~Stage() = default;
 
+c10::cuda::CUDAStream Stage::sideStream(c10::Device device) { return streams_->get(device.index()); }
+
 void Stage::track(const at::Tensor& t) {
   TORCH_CHECK(t.layout() == at::kStrided, "xirang: sparse CUDA tensors are not supported");
   if (entries_.empty()) {
+    ev_ = std::make_unique<Events>(sideStream(t.device()));
     device_ = t.device();
-    ev_ = std::make_unique<Events>(streams_->get(device_.index()));
   }
   TORCH_CHECK(t.device() == device_, "xirang: all CUDA tensors of one operation must be on one device, got ",
               device_, " and ", t.device());
@@ -181,22 +184,111 @@ bool Stage::query() {
 
 // ---------------------------------------------------------------- the NCCL engine
 
-// One group's communicator and what runs over it; made by the first NCCL op (comm thread).
+// One group's NCCL device, stream, communicator and what runs over it. The device and stream
+// are fixed by the first bind (caller's thread), the link made by the first op (comm thread).
 struct NcclDevice {
   explicit NcclDevice(const EngineSetup& s) : setup(s) {}
+  ~NcclDevice();
+  NcclDevice(const NcclDevice&) = delete;
+  NcclDevice& operator=(const NcclDevice&) = delete;
+
+  // The engine's stream on `d`, created on the first call; c10::Error when the group already
+  // runs on another device.
+  c10::cuda::CUDAStream streamFor(c10::Device d);
+  // The link, made on the first call (collective: every rank's first NCCL op); throws once aborted.
+  transport::NcclLink& linkFor(const Comm& host, transport::Deadline deadline);
+  void abort(const std::string& why);
+
   const EngineSetup setup;
-  std::mutex mu;
+  std::mutex mu;  // device, stream, link, why
   c10::Device device{c10::kCPU};
-  // Destroyed in reverse: the device Comm and scratch (stream-ordered frees on the link's
-  // stream) before the link (which destroys or aborts the communicator).
+  cudaStream_t raw = nullptr;  // owned
+  std::optional<c10::cuda::CUDAStream> stream;
   std::unique_ptr<transport::NcclLink> link;
   std::unique_ptr<algo::DeviceReducer> reducer;
+  std::string why;  // aborted: every later op fails with it
+  // Comm thread only: the device Comm handed to the op's body, and its scratch.
   std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();
   Comm comm;
 };
 
+NcclDevice::~NcclDevice() {
+  if (!raw) return;
+  c10::cuda::CUDAGuard g(device);
+  comm = Comm();
+  scratch.reset();  // stream-ordered frees on the stream
+  reducer.reset();
+  link.reset();  // destroys the communicator when the stream is idle, else aborts it
+  (void)cudaStreamSynchronize(raw);
+  (void)cudaStreamDestroy(raw);
+}
+
+c10::cuda::CUDAStream NcclDevice::streamFor(c10::Device d) {
+  std::lock_guard<std::mutex> g(mu);
+  if (!stream) {
+    c10::cuda::CUDAGuard guard(d);
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+    device = d;
+    stream = c10::cuda::getStreamFromExternal(raw, d.index());
+  }
+  TORCH_CHECK(d == device, rankPrefix(setup.rank), "XIRANG_CUDA_TRANSPORT=nccl: group '", setup.group_name,
+              "' runs over NCCL on ", device, ", got tensors on ", d,
+              " (one device per process group: make a group per device, or use XIRANG_CUDA_TRANSPORT=host)");
+  return *stream;
+}
+
+transport::NcclLink& NcclDevice::linkFor(const Comm& host, transport::Deadline deadline) {
+  {
+    std::lock_guard<std::mutex> g(mu);
+    TORCH_CHECK(why.empty(), why);
+    if (link) return *link;
+  }
+  c10::cuda::CUDAGuard guard(device);
+  device::NcclApi& nccl = cuda::ncclApi();  // loadable: the Engine checked it at group creation
+  const std::string key = setup.key_ns + "/nccl/" + setup.group_name + "/epoch0";
+  const int rank = host.rank, size = host.size();
+  device::NcclUniqueId id = transport::shareNcclUniqueId(nccl, *setup.store, key, rank, deadline);
+  device::NcclComm c = transport::initNcclComm(nccl, id, rank, size, deadline, setup.group_name);
+  auto s = reinterpret_cast<device::Stream>(raw);
+  std::unique_ptr<transport::NcclLink> l;
+  try {
+    l = std::make_unique<transport::NcclLink>(nccl, cuda::runtimeApi(), c, rank, size, s);
+  } catch (...) {
+    (void)nccl.commAbort(c);  // the peers' communicator must not wait for this one
+    throw;
+  }
+  auto r = std::make_unique<algo::DeviceReducer>(cuda::runtimeApi(), cuda::kernelApi(), s);
+  std::string aborted;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    link = std::move(l);
+    reducer = std::move(r);
+    aborted = why;
+  }
+  if (!aborted.empty()) {
+    link->abort(aborted);
+    TORCH_CHECK(false, aborted);
+  }
+  env::log(env::Level::Info, rank, "group '" + setup.group_name + "': NCCL communicator of " + std::to_string(size) +
+                                       " ranks on " + device.str() + " (NCCL " + cuda::ncclVersionString() + ", " +
+                                       cuda::ncclLibraryPath() + ")");
+  return *link;
+}
+
+void NcclDevice::abort(const std::string& w) {
+  transport::NcclLink* l = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    if (why.empty()) why = w;
+    l = link.get();  // destroyed only with this object
+  }
+  if (l) l->abort(w);
+}
+
 NcclStage::NcclStage(Streams& streams, std::shared_ptr<NcclDevice> dev) : Stage(streams), dev_(std::move(dev)) {}
 NcclStage::~NcclStage() = default;
+
+c10::cuda::CUDAStream NcclStage::sideStream(c10::Device device) { return dev_->streamFor(device); }
 
 at::Tensor NcclStage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
   if (!t.defined()) return t;
@@ -212,35 +304,17 @@ at::Tensor NcclStage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
 }
 
 const Comm& NcclStage::comm(const Comm& host, const OpCtx& ctx) {
-  NcclDevice& d = *dev_;
-  std::lock_guard<std::mutex> g(d.mu);
   if (entries_.empty()) return host;  // only empty CPU tensors: nothing to move
   deadline_ = ctx.deadline;
-  if (!d.link) {
-    c10::cuda::CUDAGuard guard(device_);
-    device::NcclApi& nccl = cuda::ncclApi();  // loadable: Engine::stage() checked it
-    const std::string key = d.setup.key_ns + "/nccl/" + d.setup.group_name + "/epoch0";
-    const int rank = host.rank, size = host.size();
-    device::NcclUniqueId id = transport::shareNcclUniqueId(nccl, *d.setup.store, key, rank, ctx.deadline);
-    device::NcclComm c = transport::initNcclComm(nccl, id, rank, size, ctx.deadline, d.setup.group_name);
-    auto stream = reinterpret_cast<device::Stream>(ev_->side.stream());
-    d.link = std::make_unique<transport::NcclLink>(nccl, cuda::runtimeApi(), c, rank, size, stream);
-    d.reducer = std::make_unique<algo::DeviceReducer>(cuda::runtimeApi(), cuda::kernelApi(), stream);
-    d.device = device_;
-    env::log(env::Level::Info, rank, "group '" + d.setup.group_name + "': NCCL communicator of " +
-                                         std::to_string(size) + " ranks on " + device_.str() + " (NCCL " +
-                                         cuda::ncclVersionString() + ", " + cuda::ncclLibraryPath() + ")");
-  }
-  TORCH_CHECK(device_ == d.device, "xirang: XIRANG_CUDA_TRANSPORT=nccl: group '", d.setup.group_name,
-              "' runs over NCCL on ", d.device, ", got tensors on ", device_,
-              " (one device per process group: make a group per device, or use XIRANG_CUDA_TRANSPORT=host)");
-  d.comm = host;
-  d.comm.link = d.link.get();
-  d.comm.reducer = d.reducer.get();
-  d.comm.shm = nullptr;
-  d.comm.scratch = d.scratch;
+  transport::NcclLink& link = dev_->linkFor(host, ctx.deadline);
+  Comm& c = dev_->comm;  // comm thread only
+  c = host;
+  c.link = &link;
+  c.reducer = dev_->reducer.get();
+  c.shm = nullptr;
+  c.scratch = dev_->scratch;
   linked_ = true;
-  return d.comm;
+  return c;
 }
 
 void NcclStage::run(const std::function<void()>& body) {
@@ -252,9 +326,26 @@ void NcclStage::run(const std::function<void()>& body) {
   ev_->ready.block(ev_->side);
   {
     c10::cuda::CUDAStreamGuard sg(ev_->side);
-    body();
-    for (auto& e : entries_)
-      c10::cuda::CUDACachingAllocator::recordStream(e.user.storage().data_ptr(), ev_->side);
+    // The caching allocator must not hand the tensors' memory to another stream before the
+    // side stream is past them, also when the body failed with work still enqueued.
+    auto keep = [&] {
+      for (auto& e : entries_)
+        c10::cuda::CUDACachingAllocator::recordStream(e.user.storage().data_ptr(), ev_->side);
+    };
+    try {
+      body();
+    } catch (const std::exception& e) {
+      keep();
+      // Sends and receives of this op may be enqueued with no peer to match them: end them (the
+      // group is poisoned by this error anyway).
+      if (linked_) dev_->abort(rankPrefix(dev_->setup.rank) + "an NCCL operation failed: " + e.what());
+      throw;
+    } catch (...) {
+      keep();
+      if (linked_) dev_->abort(rankPrefix(dev_->setup.rank) + "an NCCL operation failed");
+      throw;
+    }
+    keep();
     ev_->done.record(ev_->side);
     ev_->done_recorded = true;
   }
@@ -262,13 +353,9 @@ void NcclStage::run(const std::function<void()>& body) {
   else ev_->side.synchronize();
 }
 
-Engine::Engine(const EngineSetup& setup) : setup_(setup), nccl_(std::make_shared<NcclDevice>(setup)) {
-  if (transportSetting() == Transport::Nccl) checkNccl();
-}
-
-Engine::~Engine() = default;
-
-void Engine::checkNccl() const {
+Engine::Engine(const EngineSetup& setup)
+    : setup_(setup), transport_(transportSetting(setup.rank)), nccl_(std::make_shared<NcclDevice>(setup)) {
+  if (transport_ != Transport::Nccl) return;
   TORCH_CHECK(!setup_.elastic, rankPrefix(setup_.rank), "group '", setup_.group_name,
               "': XIRANG_CUDA_TRANSPORT=nccl does not support elastic mode (XIRANG_ELASTIC=1) yet: a rebuilt ring "
               "needs a new communicator; use XIRANG_CUDA_TRANSPORT=host");
@@ -277,18 +364,21 @@ void Engine::checkNccl() const {
               "': XIRANG_CUDA_TRANSPORT=nccl: ", why);
 }
 
+Engine::~Engine() = default;
+
 std::shared_ptr<OpStage> Engine::stage(bool device_link) {
-  const Transport t = transportSetting();
-  if (t == Transport::Nccl) checkNccl();
   std::call_once(said_, [&] {
     env::log(env::Level::Info, setup_.rank,
              "group '" + setup_.group_name + "': CUDA tensors run " +
-                 (t == Transport::Nccl ? std::string("over NCCL (XIRANG_CUDA_TRANSPORT=nccl; point-to-point host-staged)")
-                                       : std::string("host-staged: pinned host buffers and the TCP/shared-memory "
-                                                     "engine (XIRANG_CUDA_TRANSPORT=nccl runs them over NCCL)")));
+                 (transport_ == Transport::Nccl
+                      ? std::string("over NCCL (XIRANG_CUDA_TRANSPORT=nccl; point-to-point host-staged)")
+                      : std::string("host-staged: pinned host buffers and the TCP/shared-memory engine "
+                                    "(XIRANG_CUDA_TRANSPORT=nccl runs them over NCCL)")));
   });
-  if (t == Transport::Nccl && device_link) return std::make_shared<NcclStage>(streams_, nccl_);
+  if (transport_ == Transport::Nccl && device_link) return std::make_shared<NcclStage>(streams_, nccl_);
   return std::make_shared<Stage>(streams_);
 }
+
+void Engine::abort(const std::string& why) { nccl_->abort(why); }
 
 }  // namespace xirang::cudastage

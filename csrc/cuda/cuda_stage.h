@@ -28,7 +28,10 @@
 //   caller's wait()  as above: its stream waits on the done event.
 // The communicator: one per group, made at the group's first NCCL op (rank 0's unique id under
 // the store key <creation namespace>/nccl/<group>/epoch0; non-blocking init, bounded by that
-// op's deadline), on the device of that op's tensors; its ranks are the group's.
+// op's deadline), on the device of that op's tensors; its ranks are the group's. Its stream is
+// the engine's own (not a pool stream shared with the host-staged point-to-point ops or other
+// groups, whose waits could otherwise queue behind an NCCL receive). A poisoned or aborted group
+// aborts it (DeviceEngine::abort), so peers waiting in an NCCL call fail at once.
 // Not yet: elastic mode (a rebuilt ring needs a new communicator: refused with a clear error),
 // several devices per group, and "auto" choosing NCCL (it stays host-staged until the GPU script
 // tests/gpu/run_checks.sh has run this engine on a GPU).
@@ -45,6 +48,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <c10/core/Device.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "backend/device_engine.h"
 
@@ -52,8 +56,8 @@ namespace xirang::cudastage {
 
 enum class Transport { Host, Nccl };
 // XIRANG_CUDA_TRANSPORT: "auto" (default) and "host" -> Host, "nccl" -> Nccl; anything else
-// throws c10::Error naming the accepted values.
-Transport transportSetting();
+// throws c10::Error naming `rank` and the accepted values.
+Transport transportSetting(int rank);
 
 struct StreamsImpl;
 // The side streams of one process group.
@@ -102,8 +106,10 @@ class Stage : public OpStage {
   };
   struct Events;
   // A CUDA tensor of the op: strided, on the op's one device; the first one picks the device
-  // and its side stream (c10::Error otherwise).
+  // and its side stream (sideStream(); c10::Error otherwise).
   void track(const at::Tensor& t);
+  // The stream the op runs on: the group's pool stream of that device.
+  virtual c10::cuda::CUDAStream sideStream(c10::Device device);
   StreamsImpl* streams_;
   std::vector<Entry> entries_;
   c10::Device device_{c10::kCPU};
@@ -118,10 +124,16 @@ class NcclStage : public Stage {
   ~NcclStage() override;
 
   // t itself. A CPU tensor is accepted only when empty (the hook's placeholders): the device
-  // link moves device memory (c10::Error naming the tensor's size otherwise).
+  // link moves device memory (c10::Error naming the tensor's size otherwise). The first CUDA
+  // tensor fixes the group's NCCL device; a tensor on another device is a c10::Error here, on the
+  // caller's thread, before the op is queued.
   at::Tensor bind(const at::Tensor& t, bool copy_in, bool copy_out) override;
+  bool bindsDevice() const override { return true; }
   void run(const std::function<void()>& body) override;
   const Comm& comm(const Comm& host, const OpCtx& ctx) override;
+
+ protected:
+  c10::cuda::CUDAStream sideStream(c10::Device device) override;
 
  private:
   std::shared_ptr<NcclDevice> dev_;
@@ -129,18 +141,19 @@ class NcclStage : public Stage {
   bool linked_ = false;  // comm() handed out the device Comm
 };
 
-// The engine: one group's side streams and NCCL communicator; stage() reads
-// XIRANG_CUDA_TRANSPORT (each op).
+// The engine: one group's side streams and NCCL communicator. XIRANG_CUDA_TRANSPORT is read
+// once, at group creation (ranks that disagreed would run different links and hang).
 class Engine : public DeviceEngine {
  public:
-  // "nccl" set now: the NCCL library must load and the group must not be elastic (c10::Error).
+  // "nccl": the NCCL library must load and the group must not be elastic (c10::Error).
   explicit Engine(const EngineSetup& setup);
   ~Engine() override;
   std::shared_ptr<OpStage> stage(bool device_link) override;
+  void abort(const std::string& why) override;
 
  private:
-  void checkNccl() const;
   EngineSetup setup_;
+  Transport transport_;
   Streams streams_;
   std::shared_ptr<NcclDevice> nccl_;
   std::once_flag said_;  // the INFO line naming the transport, once per group
