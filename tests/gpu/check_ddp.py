@@ -5,7 +5,8 @@
 Trains the same MLP from the same seed twice: DDP over gloo with fp32 allreduce (the baseline;
 NCCL cannot put several ranks on one GPU), and DDP over xirang with xirang.register_comm_hook.
 Pass: final loss (mean of the last 5 steps) within 2% of the baseline's, and the replicas'
-parameters bitwise equal across ranks after training. Rank 0 writes OUT_DIR/ddp.json.
+parameters bitwise equal across ranks after training. Rank 0 writes OUT_DIR/ddp.json (ddp-nccl.json
+under XIRANG_CUDA_TRANSPORT=nccl: WORLD 1, the hook's device buffers through the NCCL engine).
 """
 import datetime
 import json
@@ -105,7 +106,8 @@ def main():
                 print(f"FAIL rank {r}: {v['error']}")
     summary["ok"] = ok
     summary["ranks"] = got
-    with open(os.path.join(out, "ddp.json"), "w") as f:
+    name = "ddp-nccl.json" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl" else "ddp.json"
+    with open(os.path.join(out, name), "w") as f:
         json.dump(summary, f, indent=1)
     sys.exit(0 if ok else 1)
 

@@ -22,6 +22,7 @@
 #                one rank (NCCL refuses two ranks on one GPU): the device Comm, kernels on the side
 #                stream, the stream discipline and the communicator's creation through the store
 #   ddp          DDP + xirang hook, 50 steps: loss within 2% of gloo fp32, replicas bitwise equal
+#   ddp_nccl     the same on one rank through the NCCL engine, 20 steps (the hook's device buffers)
 #   nocuda       XIRANG_BUILD_CUDA=0 build (another dir): CUDA tensor -> "CUDA path is not built";
 #                skipped when under 100 s of the budget are left
 # Exit status: number of failed steps (0 = all passed or skipped).
@@ -115,6 +116,8 @@ step collectives_nccl 60 env XIRANG_CUDA_TRANSPORT=nccl XIRANG_DEBUG=INFO "$PY" 
 grep -h "FAIL\|NCCL communicator" "$OUT/collectives_nccl.log" >> "$summary" 2>/dev/null
 step ddp 120 "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50
 grep -h "ddp" "$OUT/ddp.log" >> "$summary" 2>/dev/null
+step ddp_nccl 60 env XIRANG_CUDA_TRANSPORT=nccl "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 1 20
+grep -h "ddp" "$OUT/ddp_nccl.log" >> "$summary" 2>/dev/null
 
 # --- the CPU-only build's error on a CUDA tensor ---------------------------------------------
 if [ "$(left)" -ge 100 ]; then
