@@ -195,14 +195,17 @@ struct NcclDevice {
   // The engine's stream on `d`, created on the first call; c10::Error when the group already
   // runs on another device.
   c10::cuda::CUDAStream streamFor(c10::Device d);
-  // The link, made on the first call (collective: every rank's first NCCL op); throws once aborted.
+  // The link, made on the first call (collective: every rank's first NCCL op); throws once
+  // interrupted.
   transport::NcclLink& linkFor(const Comm& host, transport::Deadline deadline);
-  void abort(const std::string& why);
+  // Any thread: a running or later wait of the link fails at once (NcclLink::interrupt; only
+  // the comm thread calls into NCCL, so ncclCommAbort never frees a communicator under it).
+  void interrupt(const std::string& why);
 
   const EngineSetup setup;
   std::mutex mu;  // device, stream, link, why
   c10::Device device{c10::kCPU};
-  cudaStream_t raw = nullptr;  // owned
+  cudaStream_t raw = nullptr;  // never destroyed: tensors recorded on it may be freed after the group
   std::optional<c10::cuda::CUDAStream> stream;
   std::unique_ptr<transport::NcclLink> link;
   std::unique_ptr<algo::DeviceReducer> reducer;
@@ -213,14 +216,13 @@ struct NcclDevice {
 };
 
 NcclDevice::~NcclDevice() {
-  if (!raw) return;
-  c10::cuda::CUDAGuard g(device);
+  // The stream stays (as torch's pool streams do): the caching allocator records events on it
+  // when a tensor the engine used is freed later. No CUDAGuard (it may throw at exit): the
+  // stream-ordered frees and the link's calls name their stream.
   comm = Comm();
   scratch.reset();  // stream-ordered frees on the stream
   reducer.reset();
   link.reset();  // destroys the communicator when the stream is idle, else aborts it
-  (void)cudaStreamSynchronize(raw);
-  (void)cudaStreamDestroy(raw);
 }
 
 c10::cuda::CUDAStream NcclDevice::streamFor(c10::Device d) {
@@ -257,6 +259,17 @@ transport::NcclLink& NcclDevice::linkFor(const Comm& host, transport::Deadline d
     (void)nccl.commAbort(c);  // the peers' communicator must not wait for this one
     throw;
   }
+  // A peer that failed elsewhere writes the group's abort note (Tcp::abort); a rank blocked in
+  // NCCL reads it here (every 200 ms of a wait), as NCCL tells only the ranks a failed call joins.
+  l->setStopCheck(
+      [store = setup.store, key = setup.key_ns + "/abort"]() -> std::string {
+        try {
+          if (store->check(key)) return store->get(key, Clock::now() + std::chrono::seconds(1));
+        } catch (const std::exception&) {  // an unreachable store: the deadline still bounds the wait
+        }
+        return {};
+      },
+      std::chrono::milliseconds(200));
   auto r = std::make_unique<algo::DeviceReducer>(cuda::runtimeApi(), cuda::kernelApi(), s);
   std::string aborted;
   {
@@ -266,7 +279,7 @@ transport::NcclLink& NcclDevice::linkFor(const Comm& host, transport::Deadline d
     aborted = why;
   }
   if (!aborted.empty()) {
-    link->abort(aborted);
+    link->abort(aborted);  // the comm thread: no NCCL call of it runs now
     TORCH_CHECK(false, aborted);
   }
   env::log(env::Level::Info, rank, "group '" + setup.group_name + "': NCCL communicator of " + std::to_string(size) +
@@ -275,14 +288,14 @@ transport::NcclLink& NcclDevice::linkFor(const Comm& host, transport::Deadline d
   return *link;
 }
 
-void NcclDevice::abort(const std::string& w) {
+void NcclDevice::interrupt(const std::string& w) {
   transport::NcclLink* l = nullptr;
   {
     std::lock_guard<std::mutex> g(mu);
     if (why.empty()) why = w;
     l = link.get();  // destroyed only with this object
   }
-  if (l) l->abort(w);
+  if (l) l->interrupt(w);
 }
 
 NcclStage::NcclStage(Streams& streams, std::shared_ptr<NcclDevice> dev) : Stage(streams), dev_(std::move(dev)) {}
@@ -338,11 +351,12 @@ void NcclStage::run(const std::function<void()>& body) {
       keep();
       // Sends and receives of this op may be enqueued with no peer to match them: end them (the
       // group is poisoned by this error anyway).
-      if (linked_) dev_->abort(rankPrefix(dev_->setup.rank) + "an NCCL operation failed: " + e.what());
+      // (the comm thread, between NCCL calls: the one place that aborts the communicator).
+      if (linked_) dev_->link->abort(rankPrefix(dev_->setup.rank) + "an NCCL operation failed: " + e.what());
       throw;
     } catch (...) {
       keep();
-      if (linked_) dev_->abort(rankPrefix(dev_->setup.rank) + "an NCCL operation failed");
+      if (linked_) dev_->link->abort(rankPrefix(dev_->setup.rank) + "an NCCL operation failed");
       throw;
     }
     keep();
@@ -379,6 +393,6 @@ std::shared_ptr<OpStage> Engine::stage(bool device_link) {
   return std::make_shared<Stage>(streams_);
 }
 
-void Engine::abort(const std::string& why) { nccl_->abort(why); }
+void Engine::abort(const std::string& why) { nccl_->interrupt(why); }
 
 }  // namespace xirang::cudastage

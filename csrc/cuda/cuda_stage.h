@@ -31,7 +31,10 @@
 // op's deadline), on the device of that op's tensors; its ranks are the group's. Its stream is
 // the engine's own (not a pool stream shared with the host-staged point-to-point ops or other
 // groups, whose waits could otherwise queue behind an NCCL receive). A poisoned or aborted group
-// aborts it (DeviceEngine::abort), so peers waiting in an NCCL call fail at once.
+// interrupts its link (DeviceEngine::abort, any thread), so this rank's NCCL wait fails at once;
+// the comm thread then aborts the communicator (only it calls into NCCL). A rank blocked in NCCL
+// on a peer that failed elsewhere learns it from the group's store abort note, polled every
+// 200 ms of a wait (NcclLink::setStopCheck).
 // Not yet: elastic mode (a rebuilt ring needs a new communicator: refused with a clear error),
 // several devices per group, and "auto" choosing NCCL (it stays host-staged until the GPU script
 // tests/gpu/run_checks.sh has run this engine on a GPU).

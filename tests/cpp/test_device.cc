@@ -476,6 +476,41 @@ TEST_CASE("device: a rank that never calls the collective: the others time out w
   }
 }
 
+TEST_CASE("device: a stop check (the engine's store abort note) ends a wait on a silent peer at once", "[device]") {
+  // Rank 1 joined but never calls: NCCL would keep rank 0 waiting until its deadline. The stop
+  // check says a peer failed after ~300 ms; rank 0 ends then, naming it, not as a timeout.
+  DeviceGroup g(2);
+  std::string what = "(no error)";
+  int polls = 0;
+  const auto t0 = xirang_test::Clock::now();
+  g.links[0]->setStopCheck(
+      [&]() -> std::string {
+        ++polls;
+        return xirang_test::Clock::now() - t0 > milliseconds(300) ? "rank 1 aborted (test note)" : "";
+      },
+      milliseconds(50));
+  void* p = nullptr;
+  g.dev.cuda().malloc(&p, 400);
+  try {
+    Comm c = g.comm(0);
+    xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, 100, 1, 10000), p, 100,
+                        DType::Float32, ReduceOp::Sum);
+    g.links[0]->synchronize(after(milliseconds(10000)));
+  } catch (const tp::TimeoutError& e) {
+    what = std::string("timeout: ") + e.what();
+  } catch (const tp::TransportError& e) {
+    what = e.what();
+  }
+  const auto took = xirang_test::Clock::now() - t0;
+  CAPTURE(what, polls);
+  CHECK(what.find("a peer failed: rank 1 aborted (test note)") != std::string::npos);
+  CHECK(took < milliseconds(3000));
+  CHECK(polls >= 3);       // polled while waiting
+  CHECK(polls <= 40);      // at most once per 50 ms, not on every spin
+  // The link is unusable afterwards: the next call fails at once with the same reason.
+  CHECK_THROWS_WITH(g.links[0]->synchronize(after(milliseconds(1000))), Catch::Contains("rank 1 aborted"));
+}
+
 namespace {
 
 // A link that aborts itself (and throws) at its k-th exchange: a rank failing mid-operation.

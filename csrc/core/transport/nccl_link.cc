@@ -209,6 +209,7 @@ void NcclLink::callNccl(int result, const char* call, Deadline deadline) {
   Backoff b;
   for (;;) {
     check();
+    pollStop();
     int async = dv::kNcclInProgress;
     const int r = nccl_.commGetAsyncError(comm_, &async);
     if (r != dv::kNcclSuccess) fail(std::string("ncclCommGetAsyncError: ") + ncclWhat(nccl_, comm_, r), false);
@@ -230,11 +231,26 @@ void NcclLink::grouped(Deadline deadline, const std::function<void()>& calls) {
   callNccl(nccl_.groupEnd(), "ncclGroupEnd", deadline);
 }
 
+void NcclLink::setStopCheck(std::function<std::string()> check, std::chrono::milliseconds every) {
+  stop_check_ = std::move(check);
+  stop_every_ = every;
+}
+
+void NcclLink::pollStop() {
+  if (!stop_check_) return;
+  const auto now = Clock::now();
+  if (now < next_stop_check_) return;
+  next_stop_check_ = now + stop_every_;
+  const std::string why = stop_check_();
+  if (!why.empty()) fail("a peer failed: " + why, false);
+}
+
 void NcclLink::waitIdle(Deadline deadline, const std::string& what) {
   callCuda(cuda_.eventRecord(done_, stream_), "cudaEventRecord");
   Backoff b;
   for (;;) {
     check();
+    pollStop();
     const int q = cuda_.eventQuery(done_);
     if (q != dv::kCudaSuccess && q != dv::kCudaErrorNotReady) callCuda(q, "cudaEventQuery");
     // The communicator's error also when the stream has drained: a call that failed (a peer

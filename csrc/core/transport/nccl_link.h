@@ -41,6 +41,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -92,6 +93,12 @@ class NcclLink : public Link {
   void waitStream(device::Stream producer);
   // Blocks until everything enqueued on the link's stream so far has completed (see Failures).
   void synchronize(Deadline deadline);
+  // Optional, set before the first exchange: every wait (see Failures) also calls `check` on
+  // the waiting thread, at most once per `every`; a non-empty result ends the wait as a peer's
+  // failure (TransportError naming it; the communicator aborted). It is how a peer's abort
+  // reaches a rank blocked in NCCL that exchanges nothing with it (the engine polls the store's
+  // abort note): NCCL tells only the ranks a failed call connected.
+  void setStopCheck(std::function<std::string()> check, std::chrono::milliseconds every);
 
  private:
   static constexpr size_t kRecordBytes = 64;
@@ -118,6 +125,11 @@ class NcclLink : public Link {
   uint64_t cur_seq_ = ~0ull;
   bool have_op_ = false;
   std::vector<uint8_t> sent_hdr_, recv_hdr_;
+
+  std::function<std::string()> stop_check_;
+  std::chrono::milliseconds stop_every_{0};
+  Clock::time_point next_stop_check_{};
+  void pollStop();  // calls stop_check_ when due; fails on a message
 
   std::atomic<uint64_t> sent_{0};
   std::mutex mu_;          // guards the fields below and the abort call

@@ -69,7 +69,7 @@ class _GroupStep:
     """One group's progress within one synced step."""
 
     __slots__ = ("arrived", "handed", "early", "done", "t_first", "t_ready", "t_launch", "t_done", "seq", "finite",
-                 "launched")
+                 "launched", "event")
 
     def __init__(self):
         self.arrived = 0  # slots whose gradient is packed or marked early (ready when all are)
@@ -83,6 +83,9 @@ class _GroupStep:
         self.seq: Optional[int] = None  # the backend operation's sequence number (calibration only)
         self.finite = True
         self.launched = False
+        # CUDA: recorded when the group's op is done, on the stream its Future's callback ran on
+        # (which waited for the op): the bucket's copies wait on it, whatever stream they run on.
+        self.event: Optional[Any] = None
 
 
 class _Step:
@@ -608,7 +611,25 @@ class BF16ErrorFeedbackState(Checkpointing):
         deps = [step.groups[i].done for i in deps_idx]
         buf = bucket.buffer()
         done = torch.futures.collect_all(deps)
-        fut = done.then(lambda f: self._finish_bucket(f, buf, parts, step if step_end else None))
+        end = step if step_end else None
+        if buf.is_cuda:
+            # DDP waits on this Future with its stream: a CUDA Future, completed after the copies
+            # into the bucket, makes that stream wait for them (a plain .then would not).
+            gsteps = [step.groups[i] for i in deps_idx]
+            fut = torch.futures.Future(devices=[buf.device])
+
+            def _fin(f: torch.futures.Future) -> None:
+                try:
+                    for gs in gsteps:
+                        if gs.event is not None:
+                            torch.cuda.current_stream(buf.device).wait_event(gs.event)
+                    fut.set_result(self._finish_bucket(f, buf, parts, end))
+                except BaseException as e:  # noqa: BLE001  (handed to DDP's wait)
+                    fut.set_exception(e)
+
+            done.add_done_callback(_fin)
+        else:
+            fut = done.then(lambda f: self._finish_bucket(f, buf, parts, end))
         self._t_last_hook_return = time.perf_counter()
         return fut
 
@@ -719,6 +740,10 @@ class BF16ErrorFeedbackState(Checkpointing):
         try:
             f.value()  # re-raises the operation's error
             gs.t_done = time.perf_counter()
+            b = g.ef_buf if g.ef_buf is not None else next(iter(g.plain_bufs.values()), None)
+            if b is not None and b.is_cuda:
+                gs.event = torch.cuda.Event()
+                gs.event.record(torch.cuda.current_stream(b.device))  # it waited for the op's results
             gs.finite = g.all_finite()
             g.comm_s = gs.t_done - gs.t_launch
             g.sum_comm_s += g.comm_s
