@@ -25,12 +25,16 @@
 
 namespace xirang::cudastage {
 
+namespace {
+// XIRANG_CUDA_TRANSPORT: "auto" (default) and "host" -> Host, "nccl" -> Nccl; anything else
+// throws c10::Error naming `rank` and the accepted values.
 Transport transportSetting(int rank) {
   const std::string t = env::get("XIRANG_CUDA_TRANSPORT");  // declared in core/env.cc
   if (t == "auto" || t == "host") return Transport::Host;
   if (t == "nccl") return Transport::Nccl;
   TORCH_CHECK(false, rankPrefix(rank), "XIRANG_CUDA_TRANSPORT must be auto, host or nccl, got '", t, "'");
 }
+}  // namespace
 
 struct StreamsImpl {
   std::mutex mu;
@@ -150,15 +154,17 @@ void Stage::copyIn() {
   ev_->side.synchronize();
 }
 
+void Stage::keepAlive() {
+  for (auto& e : entries_)
+    c10::cuda::CUDACachingAllocator::recordStream(e.user.storage().data_ptr(), ev_->side);
+}
+
 void Stage::copyOut() {
   if (entries_.empty()) return;
   c10::cuda::CUDAStreamGuard sg(ev_->side);
   for (auto& e : entries_)
     if (e.copy_out) e.user.copy_(e.host, /*non_blocking=*/true);
-  // The caching allocator must not hand the user's memory to another stream before the side
-  // stream is done with it (the pinned mirrors are covered by the host allocator's own events).
-  for (auto& e : entries_)
-    c10::cuda::CUDACachingAllocator::recordStream(e.user.storage().data_ptr(), ev_->side);
+  keepAlive();
   ev_->done.record(ev_->side);
   ev_->done_recorded = true;
 }
@@ -331,35 +337,22 @@ const Comm& NcclStage::comm(const Comm& host, const OpCtx& ctx) {
 }
 
 void NcclStage::run(const std::function<void()>& body) {
-  if (entries_.empty()) {
-    body();
-    return;
-  }
+  // Called only when copies(): at least one CUDA tensor is bound, so device_ and ev_ are set.
   c10::cuda::CUDAGuard dg(device_);
   ev_->ready.block(ev_->side);
   {
     c10::cuda::CUDAStreamGuard sg(ev_->side);
-    // The caching allocator must not hand the tensors' memory to another stream before the
-    // side stream is past them, also when the body failed with work still enqueued.
-    auto keep = [&] {
-      for (auto& e : entries_)
-        c10::cuda::CUDACachingAllocator::recordStream(e.user.storage().data_ptr(), ev_->side);
-    };
     try {
       body();
-    } catch (const std::exception& e) {
-      keep();
-      // Sends and receives of this op may be enqueued with no peer to match them: end them (the
-      // group is poisoned by this error anyway).
-      // (the comm thread, between NCCL calls: the one place that aborts the communicator).
-      if (linked_) dev_->link->abort(rankPrefix(dev_->setup.rank) + "an NCCL operation failed: " + e.what());
-      throw;
     } catch (...) {
-      keep();
+      keepAlive();  // also when the body failed with work still enqueued
+      // Sends and receives of this op may be enqueued with no peer to match them: end them (the
+      // group is poisoned by this error anyway). The comm thread, between NCCL calls, is the one
+      // place that aborts the communicator.
       if (linked_) dev_->link->abort(rankPrefix(dev_->setup.rank) + "an NCCL operation failed");
       throw;
     }
-    keep();
+    keepAlive();
     ev_->done.record(ev_->side);
     ev_->done_recorded = true;
   }

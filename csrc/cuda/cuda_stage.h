@@ -57,10 +57,8 @@
 
 namespace xirang::cudastage {
 
+// XIRANG_CUDA_TRANSPORT, read once per group by the Engine.
 enum class Transport { Host, Nccl };
-// XIRANG_CUDA_TRANSPORT: "auto" (default) and "host" -> Host, "nccl" -> Nccl; anything else
-// throws c10::Error naming `rank` and the accepted values.
-Transport transportSetting(int rank);
 
 struct StreamsImpl;
 // The side streams of one process group.
@@ -111,6 +109,10 @@ class Stage : public OpStage {
   // A CUDA tensor of the op: strided, on the op's one device; the first one picks the device
   // and its side stream (sideStream(); c10::Error otherwise).
   void track(const at::Tensor& t);
+  // recordStream of every bound CUDA tensor on the side stream: the caching allocator must not
+  // hand their memory to another stream before the side stream is past them (host-staged: the
+  // pinned mirrors are covered by the host allocator's own events).
+  void keepAlive();
   // The stream the op runs on: the group's pool stream of that device.
   virtual c10::cuda::CUDAStream sideStream(c10::Device device);
   StreamsImpl* streams_;
