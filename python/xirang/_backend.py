@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -140,6 +141,25 @@ def _labels(C) -> tuple:
     return host, rack or "rack0"
 
 
+def _shared_settings(C, opts, local: str, order: str, elastic: bool, heartbeat_s: float) -> dict:
+    """The settings every rank of a group must share, as this rank resolved them: knob name (or
+    the Options field and its knob) -> value. Compared across the ranks at creation."""
+    shared = {
+        "XIRANG_TRANSPORT_LOCAL": local,
+        "XIRANG_CUDA_TRANSPORT": C.env_get("XIRANG_CUDA_TRANSPORT"),
+        "algorithm (Options.algorithm / XIRANG_ALGO)": opts.algorithm if opts.algorithm != "auto"
+        else C.env_get("XIRANG_ALGO"),
+        "ring order (Options.ring_order / XIRANG_RING_ORDER)": order,
+        "XIRANG_SEGMENT_BYTES": C.env_int("XIRANG_SEGMENT_BYTES"),
+        "XIRANG_SMALL_BYTES": C.env_int("XIRANG_SMALL_BYTES"),
+        "XIRANG_SHM_BYTES": C.env_int("XIRANG_SHM_BYTES"),
+        "elastic mode (Options.elastic / XIRANG_ELASTIC)": bool(elastic),
+    }
+    if elastic:  # a rank with a shorter heartbeat bound would declare live peers failed
+        shared["heartbeat (Options.heartbeat_s / XIRANG_HEARTBEAT_S), s"] = float(heartbeat_s)
+    return shared
+
+
 def create(dist_backend_opts, backend_options):
     """torch.distributed's creator of a xirang group (extended API).
 
@@ -164,6 +184,7 @@ def create(dist_backend_opts, backend_options):
     order = opts.ring_order or C.env_get("XIRANG_RING_ORDER")
     if order not in _RING_ORDERS:
         raise ValueError(f"XIRANG_RING_ORDER must be topology or rank, got {order!r}")
+    shared = _shared_settings(C, opts, local, order, elastic, heartbeat_s)
     timeout = dist_backend_opts.timeout.total_seconds()
     if opts.timeout is not None:
         timeout = opts.timeout.total_seconds() if isinstance(opts.timeout, timedelta) else float(opts.timeout)
@@ -186,22 +207,31 @@ def create(dist_backend_opts, backend_options):
     ns = C.key_namespace(generation)
 
     # Topology labels of every rank, exchanged through the group's (prefixed) store, with the
-    # per-group settings every rank must share (XIRANG_TRANSPORT_LOCAL: ranks of one host that
-    # disagree would wait for each other's shared memory until the timeout).
+    # per-group settings every rank must share: ranks that disagree on one would run different
+    # exchanges and wait for each other until the timeout (XIRANG_TRANSPORT_LOCAL: each other's
+    # shared memory; the algorithm, ring order or segment sizes: frames the peer never sends;
+    # XIRANG_CUDA_TRANSPORT: an NCCL communicator the peer never joins).
     host, rack = _labels(C)
     hosts, racks, ring = [host], [rack], []
     if size > 1:
-        store.set(f"{ns}/label/{rank}", f"{host}\t{rack}\t{local}")
-        labels, locals_ = [], []
+        store.set(f"{ns}/label/{rank}", f"{host}\t{rack}\t{json.dumps(shared, sort_keys=True)}")
+        labels, settings = [], []
         for r in range(size):
-            h, k, lo = store.get(f"{ns}/label/{r}").decode().split("\t")
+            label = store.get(f"{ns}/label/{r}").decode()
+            try:
+                h, k, s = label.split("\t", 2)
+                settings.append(dict(json.loads(s)))
+            except ValueError:
+                raise ValueError(f"xirang rank {rank}: rank {r}'s label {label!r} is not this version's "
+                                 "(every rank of a group must run the same xirang)") from None
             labels.append((r, h, k))
-            locals_.append(lo)
-        differ = [r for r in range(size) if locals_[r] != local]
-        if differ:
-            theirs = ", ".join(f"rank {r}: {locals_[r]!r}" for r in differ[:8])
-            raise ValueError(f"xirang rank {rank}: XIRANG_TRANSPORT_LOCAL must agree across the group's ranks: "
-                             f"this rank {local!r}, {theirs}")
+        for name, mine in shared.items():
+            differ = [r for r in range(size) if settings[r].get(name) != mine]
+            if differ:
+                theirs = ", ".join(f"rank {r}: {settings[r].get(name)!r}" for r in differ[:8])
+                more = f" (and {len(differ) - 8} more ranks)" if len(differ) > 8 else ""
+                raise ValueError(f"xirang rank {rank}: {name} must agree across the group's ranks "
+                                 f"(group '{group_name}'): this rank {mine!r}, {theirs}{more}")
         hosts = [h for _, h, _ in labels]
         racks = [k for _, _, k in labels]
         ring = list(C.ring_order(labels, order == "topology"))

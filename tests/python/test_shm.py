@@ -116,14 +116,21 @@ def w_killed_mid_op():
     return dict(exc=None, ops_done=500)
 
 
-def w_mismatch():
-    os.environ["XIRANG_TRANSPORT_LOCAL"] = "shm" if mp_pool.W.rank == 0 else "tcp"
+def w_mismatch(prefix, env_by_rank):
+    """init_process_group with this rank's entry of `env_by_rank` set (restored after)."""
+    env = env_by_rank[mp_pool.W.rank]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         return mp_pool.capture(
-            dist.init_process_group, "xirang", store=dist.PrefixStore("mismatch", mp_pool.W.store),
+            dist.init_process_group, "xirang", store=dist.PrefixStore(prefix, mp_pool.W.store),
             rank=mp_pool.W.rank, world_size=mp_pool.W.world_size, timeout=datetime.timedelta(seconds=20))
     finally:
-        del os.environ["XIRANG_TRANSPORT_LOCAL"]
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _open_fds() -> int:
@@ -314,15 +321,51 @@ def test_peer_killed_mid_op_survivors_raise_and_dev_shm_is_clean(backend):
     assert not (shm_segments() - before), shm_segments() - before
 
 
+# Settings every rank of a group must share (python/xirang/_backend.py: _shared_settings): the
+# knob set on both ranks, rank 0's value, rank 1's value, and the name the error gives.
+MISMATCHES = [
+    ({}, "XIRANG_TRANSPORT_LOCAL", "shm", "tcp", "XIRANG_TRANSPORT_LOCAL"),
+    ({}, "XIRANG_CUDA_TRANSPORT", "auto", "host", "XIRANG_CUDA_TRANSPORT"),
+    ({}, "XIRANG_ALGO", "ring", "direct", "XIRANG_ALGO"),
+    ({}, "XIRANG_RING_ORDER", "topology", "rank", "XIRANG_RING_ORDER"),
+    ({}, "XIRANG_SEGMENT_BYTES", "1048576", "65536", "XIRANG_SEGMENT_BYTES"),
+    ({}, "XIRANG_SMALL_BYTES", "65536", "0", "XIRANG_SMALL_BYTES"),
+    ({}, "XIRANG_SHM_BYTES", "4194304", "8192", "XIRANG_SHM_BYTES"),
+    ({}, "XIRANG_ELASTIC", "0", "1", "XIRANG_ELASTIC"),
+    ({"XIRANG_ELASTIC": "1"}, "XIRANG_HEARTBEAT_S", "1.0", "2.5", "XIRANG_HEARTBEAT_S"),
+]
+
+
+def _shown(knob, value):
+    """The value as the error shows it (repr of the resolved setting)."""
+    if knob == "XIRANG_ELASTIC":
+        return repr(value == "1")
+    if knob in ("XIRANG_SEGMENT_BYTES", "XIRANG_SMALL_BYTES", "XIRANG_SHM_BYTES"):
+        return repr(int(value))
+    if knob == "XIRANG_HEARTBEAT_S":
+        return repr(float(value))
+    return repr(value)
+
+
 @pytest.mark.dedicated
 def test_knob_mismatch_is_a_clear_error(backend):
+    """Ranks that disagree on a per-group setting fail the creation on every rank, naming the
+    setting and both values, instead of waiting for each other until the timeout."""
     with mp_pool.Pool(2, "xirang", timeout_s=30, init=False) as pool:
-        res = pool.run(w_mismatch, timeout=60)
-    for r, other, theirs in ((0, 1, "'tcp'"), (1, 0, "'shm'")):
-        e = res[r]
-        assert isinstance(e, mp_pool.ExcInfo), f"rank {r} created the group despite the mismatch"
-        assert "XIRANG_TRANSPORT_LOCAL" in e.message and f"rank {other}: {theirs}" in e.message, e.message
-        assert e.elapsed < 15, f"rank {r} took {e.elapsed:.1f} s to fail"
+        for i, (common, knob, v0, v1, name) in enumerate(MISMATCHES):
+            env = [dict(common, **{knob: v0}), dict(common, **{knob: v1})]
+            res = pool.run(w_mismatch, f"mismatch{i}", env, timeout=60)
+            for r, other, theirs in ((0, 1, v1), (1, 0, v0)):
+                e = res[r]
+                assert isinstance(e, mp_pool.ExcInfo), f"{knob}: rank {r} created the group despite the mismatch"
+                assert e.type_name == "ValueError", f"{knob}: rank {r}: {e.type_name}: {e.message}"
+                assert name in e.message and f"rank {other}: {_shown(knob, theirs)}" in e.message, e.message
+                assert f"this rank {_shown(knob, (v0, v1)[r])}" in e.message, e.message
+                assert e.elapsed < 15, f"{knob}: rank {r} took {e.elapsed:.1f} s to fail"
+        # the same settings on both ranks create the group (the check is not a blanket refusal)
+        env = [{"XIRANG_ALGO": "ring", "XIRANG_SEGMENT_BYTES": "65536"}] * 2
+        res = pool.run(w_mismatch, "agree", env, timeout=60)
+        assert res == [None, None], res
 
 
 @pytest.mark.dedicated
