@@ -138,7 +138,11 @@ def _labels(C) -> tuple:
                 if len(parts) >= 2 and parts[0] == host:
                     rack = parts[1]
                     break
-    return host, rack or "rack0"
+    rack = rack or "rack0"
+    for name, value in (("XIRANG_HOST", host), ("XIRANG_RACK", rack)):
+        if not value.isprintable():  # the label exchange separates fields with tabs
+            raise ValueError(f"{name}={value!r}: a host or rack label must be printable (no tabs or newlines)")
+    return host, rack
 
 
 def _shared_settings(C, opts, local: str, order: str, elastic: bool, heartbeat_s: float) -> dict:

@@ -53,6 +53,8 @@ def test_options_timeout_accepts_timedelta_and_seconds():
     ("XIRANG_DEBUG", "LOUD", "ValueError xirang: XIRANG_DEBUG='LOUD' is not a log level: accepted values are "
                              "WARN, INFO, TRACE (case-insensitive)"),
     ("XIRANG_RING_ORDER", "random", "XIRANG_RING_ORDER must be topology or rank"),
+    ("XIRANG_HOST", "node\t1", "XIRANG_HOST='node\\t1': a host or rack label must be printable"),
+    ("XIRANG_RACK", "r\n2", "XIRANG_RACK='r\\n2': a host or rack label must be printable"),
 ])
 def test_bad_knobs_fail_group_creation_clearly(knob, value, pattern):
     out = _run(
