@@ -140,28 +140,71 @@ def _labels(C) -> tuple:
                     break
     rack = rack or "rack0"
     for name, value in (("XIRANG_HOST", host), ("XIRANG_RACK", rack)):
-        if not value.isprintable():  # the label exchange separates fields with tabs
+        if not value.isprintable():  # one line in logs and error messages, one word in a topology file
             raise ValueError(f"{name}={value!r}: a host or rack label must be printable (no tabs or newlines)")
     return host, rack
 
 
 def _shared_settings(C, opts, local: str, order: str, elastic: bool, heartbeat_s: float) -> dict:
     """The settings every rank of a group must share, as this rank resolved them: knob name (or
-    the Options field and its knob) -> value. Compared across the ranks at creation."""
+    the Options field and its knob) -> value. Compared across the ranks at creation, resolved so
+    that spellings of one setting agree ("64K" and "65536"; XIRANG_CUDA_TRANSPORT auto and host,
+    which auto is until the NCCL engine has run on a GPU). Not here: what may differ per host
+    (XIRANG_SHM_BYTES: the ranks of one host use the value of the one that creates their segment)
+    or per rank."""
+    algorithm = opts.algorithm if opts.algorithm != "auto" else C.env_get("XIRANG_ALGO")
+    cuda = C.env_get("XIRANG_CUDA_TRANSPORT")
     shared = {
         "XIRANG_TRANSPORT_LOCAL": local,
-        "XIRANG_CUDA_TRANSPORT": C.env_get("XIRANG_CUDA_TRANSPORT"),
-        "algorithm (Options.algorithm / XIRANG_ALGO)": opts.algorithm if opts.algorithm != "auto"
-        else C.env_get("XIRANG_ALGO"),
+        "XIRANG_CUDA_TRANSPORT": "host" if cuda == "auto" else cuda,
+        "algorithm (Options.algorithm / XIRANG_ALGO)": algorithm,
         "ring order (Options.ring_order / XIRANG_RING_ORDER)": order,
         "XIRANG_SEGMENT_BYTES": C.env_int("XIRANG_SEGMENT_BYTES"),
-        "XIRANG_SMALL_BYTES": C.env_int("XIRANG_SMALL_BYTES"),
-        "XIRANG_SHM_BYTES": C.env_int("XIRANG_SHM_BYTES"),
         "elastic mode (Options.elastic / XIRANG_ELASTIC)": bool(elastic),
     }
+    if algorithm == "auto":  # the size at which auto leaves the direct exchange for the ring
+        shared["XIRANG_SMALL_BYTES"] = C.env_int("XIRANG_SMALL_BYTES")
     if elastic:  # a rank with a shorter heartbeat bound would declare live peers failed
         shared["heartbeat (Options.heartbeat_s / XIRANG_HEARTBEAT_S), s"] = float(heartbeat_s)
     return shared
+
+
+def _exchange_labels(store, ns: str, rank: int, size: int, group_name: str, join: bool,
+                     mine: dict, problem: Optional[BaseException]) -> list:
+    """Every rank's label ({"host", "rack", "settings"}), through the group's store.
+
+    Each rank first writes its own: its labels and shared settings, or {"error": why} when its own
+    settings are bad (`problem`, raised here after writing), so that its peers raise too instead of
+    waiting for a label that never comes. A spare (`join`) writes nothing: it takes the dead
+    rank's place, labels included, as the survivors know them (the ring, shared memory and host
+    counters must see one topology on every rank), and a spare refused here leaves no trace.
+    Raises ValueError on every rank naming a rank whose settings are bad, a shared setting two
+    ranks disagree on (both values), or a label this version cannot read."""
+    if not join:
+        entry = {"error": f"{type(problem).__name__}: {problem}"} if problem is not None else mine
+        store.set(f"{ns}/label/{rank}", json.dumps(entry, sort_keys=True))
+    if problem is not None:
+        raise problem
+    labels = []
+    for r in range(size):
+        raw = store.get(f"{ns}/label/{r}").decode()
+        try:
+            entry = json.loads(raw)
+            if "error" in entry:
+                raise ValueError(f"xirang rank {rank}: rank {r} cannot create group '{group_name}': {entry['error']}")
+            entry = {"host": str(entry["host"]), "rack": str(entry["rack"]), "settings": dict(entry["settings"])}
+        except (TypeError, KeyError, json.JSONDecodeError):
+            raise ValueError(f"xirang rank {rank}: rank {r}'s label {raw[:200]!r} is not this version's "
+                             "(every rank of a group must run the same xirang)") from None
+        labels.append(entry)
+    for name, value in mine["settings"].items():
+        differ = [r for r in range(size) if labels[r]["settings"].get(name) != value]
+        if differ:
+            theirs = ", ".join(f"rank {r}: {labels[r]['settings'].get(name)!r}" for r in differ[:8])
+            more = f" (and {len(differ) - 8} more ranks)" if len(differ) > 8 else ""
+            raise ValueError(f"xirang rank {rank}: {name} must agree across the group's ranks "
+                             f"(group '{group_name}'): this rank {value!r}, {theirs}{more}")
+    return labels
 
 
 def create(dist_backend_opts, backend_options):
@@ -169,26 +212,15 @@ def create(dist_backend_opts, backend_options):
 
     backend_options: a xirang.Options, or None for the defaults (an object of another backend's
     options type is ignored, as gloo does, so that "cpu:xirang,cuda:nccl" can take NCCL's).
-    Knobs are read through xirang._C (declared in csrc/core/env.cc); a bad value raises ValueError
-    naming the knob and the accepted values before any rank touches the store.
+    Knobs are read through xirang._C (declared in csrc/core/env.cc). A bad value raises ValueError
+    naming the knob and the accepted values (OSError for an unusable XIRANG_STATS_DIR or
+    XIRANG_TOPOLOGY_FILE) on this rank, and ValueError naming this rank and the error on its
+    peers, which it tells through the store (only a bad XIRANG_JOIN, which the store's use
+    depends on, fails this rank alone). Ranks that disagree on a shared setting
+    (_shared_settings) raise ValueError on every rank naming it and both values.
     """
     C = load_C()
     opts = backend_options if isinstance(backend_options, Options) else Options()
-    C.env_log_level()  # XIRANG_DEBUG: WARN, INFO or TRACE
-    elastic = C.env_bool("XIRANG_ELASTIC") if opts.elastic is None else opts.elastic
-    join = C.env_bool("XIRANG_JOIN")
-    heartbeat_s = opts.heartbeat_s
-    if heartbeat_s is None:
-        heartbeat_s = C.env_double("XIRANG_HEARTBEAT_S")
-        if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
-            raise ValueError(f"XIRANG_HEARTBEAT_S must be > 0 seconds (finite), got {C.env_get('XIRANG_HEARTBEAT_S')!r}")
-    local = C.env_get("XIRANG_TRANSPORT_LOCAL")
-    if local not in ("auto", "shm", "tcp"):
-        raise ValueError(f"XIRANG_TRANSPORT_LOCAL must be auto, shm or tcp, got {local!r}")
-    order = opts.ring_order or C.env_get("XIRANG_RING_ORDER")
-    if order not in _RING_ORDERS:
-        raise ValueError(f"XIRANG_RING_ORDER must be topology or rank, got {order!r}")
-    shared = _shared_settings(C, opts, local, order, elastic, heartbeat_s)
     timeout = dist_backend_opts.timeout.total_seconds()
     if opts.timeout is not None:
         timeout = opts.timeout.total_seconds() if isinstance(opts.timeout, timedelta) else float(opts.timeout)
@@ -197,48 +229,59 @@ def create(dist_backend_opts, backend_options):
     group_name = str(getattr(dist_backend_opts, "group_id", "") or "")
     global_ranks = list(getattr(dist_backend_opts, "global_ranks_in_group", []) or range(size))
     global_rank = int(global_ranks[rank]) if rank < len(global_ranks) else rank
-    run_id = C.env_get("XIRANG_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
-    stats_dir = C.env_get("XIRANG_STATS_DIR")
-    if stats_dir:
-        try:
-            os.makedirs(stats_dir, exist_ok=True)
-        except OSError as e:
-            raise OSError(f"XIRANG_STATS_DIR={stats_dir!r}: cannot create the directory: {e}") from None
+    join = C.env_bool("XIRANG_JOIN")  # the generation needs it: a bad value fails this rank alone
+    # This rank's own settings. A bad one is raised after this rank has told its peers (the label
+    # exchange below), so that every rank fails at once instead of waiting for it.
+    problem = None
+    elastic, heartbeat_s, stats_dir, run_id, order, mine = False, 1.0, "", "", "", {}
+    try:
+        C.env_log_level()  # XIRANG_DEBUG: WARN, INFO or TRACE
+        elastic = C.env_bool("XIRANG_ELASTIC") if opts.elastic is None else opts.elastic
+        if join and not elastic:
+            raise ValueError("XIRANG_JOIN=1 (a spare taking a dead rank's place) needs elastic mode (XIRANG_ELASTIC=1)")
+        heartbeat_s = opts.heartbeat_s
+        if heartbeat_s is None:
+            heartbeat_s = C.env_double("XIRANG_HEARTBEAT_S")
+            if not (math.isfinite(heartbeat_s) and heartbeat_s > 0):
+                raise ValueError("XIRANG_HEARTBEAT_S must be > 0 seconds (finite), "
+                                 f"got {C.env_get('XIRANG_HEARTBEAT_S')!r}")
+        local = C.env_get("XIRANG_TRANSPORT_LOCAL")
+        if local not in ("auto", "shm", "tcp"):
+            raise ValueError(f"XIRANG_TRANSPORT_LOCAL must be auto, shm or tcp, got {local!r}")
+        order = opts.ring_order or C.env_get("XIRANG_RING_ORDER")
+        if order not in _RING_ORDERS:
+            raise ValueError(f"XIRANG_RING_ORDER must be topology or rank, got {order!r}")
+        shared = _shared_settings(C, opts, local, order, elastic, heartbeat_s)
+        host, rack = _labels(C)
+        mine = {"host": host, "rack": rack, "settings": shared}
+        stats_dir = C.env_get("XIRANG_STATS_DIR")
+        if stats_dir:
+            try:
+                os.makedirs(stats_dir, exist_ok=True)
+            except OSError as e:
+                raise OSError(f"XIRANG_STATS_DIR={stats_dir!r}: cannot create the directory: {e}") from None
+        run_id = C.env_get("XIRANG_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    except (ValueError, OSError) as e:
+        if size <= 1:
+            raise
+        problem = e
 
     # This creation's generation: every store key of the group lives under it, so a store that
     # outlives an earlier creation (torchrun's restarts) never hands this one that one's keys.
     generation = C.generation(store, rank, size, timeout, join, group_name)
     ns = C.key_namespace(generation)
 
-    # Topology labels of every rank, exchanged through the group's (prefixed) store, with the
-    # per-group settings every rank must share: ranks that disagree on one would run different
-    # exchanges and wait for each other until the timeout (XIRANG_TRANSPORT_LOCAL: each other's
-    # shared memory; the algorithm, ring order or segment sizes: frames the peer never sends;
-    # XIRANG_CUDA_TRANSPORT: an NCCL communicator the peer never joins).
-    host, rack = _labels(C)
-    hosts, racks, ring = [host], [rack], []
+    # Topology labels of every rank, with the per-group settings every rank must share: ranks
+    # that disagree on one would run different exchanges and wait for each other until the
+    # timeout (XIRANG_TRANSPORT_LOCAL: each other's shared memory; the algorithm, ring order or
+    # segment sizes: frames the peer never sends; XIRANG_CUDA_TRANSPORT: an NCCL communicator the
+    # peer never joins).
+    hosts, racks, ring = [], [], []
     if size > 1:
-        store.set(f"{ns}/label/{rank}", f"{host}\t{rack}\t{json.dumps(shared, sort_keys=True)}")
-        labels, settings = [], []
-        for r in range(size):
-            label = store.get(f"{ns}/label/{r}").decode()
-            try:
-                h, k, s = label.split("\t", 2)
-                settings.append(dict(json.loads(s)))
-            except ValueError:
-                raise ValueError(f"xirang rank {rank}: rank {r}'s label {label!r} is not this version's "
-                                 "(every rank of a group must run the same xirang)") from None
-            labels.append((r, h, k))
-        for name, mine in shared.items():
-            differ = [r for r in range(size) if settings[r].get(name) != mine]
-            if differ:
-                theirs = ", ".join(f"rank {r}: {settings[r].get(name)!r}" for r in differ[:8])
-                more = f" (and {len(differ) - 8} more ranks)" if len(differ) > 8 else ""
-                raise ValueError(f"xirang rank {rank}: {name} must agree across the group's ranks "
-                                 f"(group '{group_name}'): this rank {mine!r}, {theirs}{more}")
-        hosts = [h for _, h, _ in labels]
-        racks = [k for _, _, k in labels]
-        ring = list(C.ring_order(labels, order == "topology"))
+        labels = _exchange_labels(store, ns, rank, size, group_name, join, mine, problem)
+        hosts = [x["host"] for x in labels]
+        racks = [x["rack"] for x in labels]
+        ring = list(C.ring_order([(r, x["host"], x["rack"]) for r, x in enumerate(labels)], order == "topology"))
     return C.ProcessGroupXirang(
         store,
         rank,
@@ -247,8 +290,8 @@ def create(dist_backend_opts, backend_options):
         group_name,
         opts.algorithm,
         ring,
-        hosts if size > 1 else [],
-        racks if size > 1 else [],
+        hosts,
+        racks,
         global_rank,
         stats_dir,
         run_id,

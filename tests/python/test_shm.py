@@ -122,9 +122,15 @@ def w_mismatch(prefix, env_by_rank):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return mp_pool.capture(
+        got = mp_pool.capture(
             dist.init_process_group, "xirang", store=dist.PrefixStore(prefix, mp_pool.W.store),
             rank=mp_pool.W.rank, world_size=mp_pool.W.world_size, timeout=datetime.timedelta(seconds=20))
+        if dist.is_initialized():  # created: one allreduce through it, then gone for the next case
+            t = torch.full((1000,), float(mp_pool.W.rank + 1))
+            dist.all_reduce(t)
+            dist.destroy_process_group()
+            return got if isinstance(got, mp_pool.ExcInfo) else float(t[0])
+        return got
     finally:
         for k, v in saved.items():
             if v is None:
@@ -322,17 +328,35 @@ def test_peer_killed_mid_op_survivors_raise_and_dev_shm_is_clean(backend):
 
 
 # Settings every rank of a group must share (python/xirang/_backend.py: _shared_settings): the
-# knob set on both ranks, rank 0's value, rank 1's value, and the name the error gives.
+# knobs set on both ranks, the knob, rank 0's value, rank 1's value, and the name the error gives.
 MISMATCHES = [
     ({}, "XIRANG_TRANSPORT_LOCAL", "shm", "tcp", "XIRANG_TRANSPORT_LOCAL"),
-    ({}, "XIRANG_CUDA_TRANSPORT", "auto", "host", "XIRANG_CUDA_TRANSPORT"),
+    ({}, "XIRANG_CUDA_TRANSPORT", "host", "nccl", "XIRANG_CUDA_TRANSPORT"),
     ({}, "XIRANG_ALGO", "ring", "direct", "XIRANG_ALGO"),
     ({}, "XIRANG_RING_ORDER", "topology", "rank", "XIRANG_RING_ORDER"),
     ({}, "XIRANG_SEGMENT_BYTES", "1048576", "65536", "XIRANG_SEGMENT_BYTES"),
     ({}, "XIRANG_SMALL_BYTES", "65536", "0", "XIRANG_SMALL_BYTES"),
-    ({}, "XIRANG_SHM_BYTES", "4194304", "8192", "XIRANG_SHM_BYTES"),
     ({}, "XIRANG_ELASTIC", "0", "1", "XIRANG_ELASTIC"),
     ({"XIRANG_ELASTIC": "1"}, "XIRANG_HEARTBEAT_S", "1.0", "2.5", "XIRANG_HEARTBEAT_S"),
+]
+
+# Settings that may differ, or that differ only in spelling: (rank 0's knobs, rank 1's knobs).
+AGREEMENTS = [
+    ({"XIRANG_ALGO": "ring", "XIRANG_SEGMENT_BYTES": "65536"},) * 2,
+    ({"XIRANG_SEGMENT_BYTES": "64K"}, {"XIRANG_SEGMENT_BYTES": "65536"}),
+    ({"XIRANG_CUDA_TRANSPORT": "auto"}, {"XIRANG_CUDA_TRANSPORT": "host"}),
+    ({"XIRANG_ELASTIC": "1"}, {"XIRANG_ELASTIC": "true"}),
+    # the creator's slot size is the host's (shm.h); the small size is read only by auto
+    ({"XIRANG_TRANSPORT_LOCAL": "shm", "XIRANG_SHM_BYTES": "4194304"},
+     {"XIRANG_TRANSPORT_LOCAL": "shm", "XIRANG_SHM_BYTES": "8192"}),
+    ({"XIRANG_ALGO": "ring", "XIRANG_SMALL_BYTES": "65536"}, {"XIRANG_ALGO": "ring", "XIRANG_SMALL_BYTES": "0"}),
+]
+
+# One rank's own bad knob (rank 1's; rank 0's are the defaults): the text of its error.
+BAD_ON_ONE_RANK = [
+    ("XIRANG_RING_ORDER", "random", "XIRANG_RING_ORDER must be topology or rank"),
+    ("XIRANG_HOST", "node\t1", "a host or rack label must be printable"),
+    ("XIRANG_SEGMENT_BYTES", "abc", "XIRANG_SEGMENT_BYTES='abc' is not an integer"),
 ]
 
 
@@ -340,7 +364,7 @@ def _shown(knob, value):
     """The value as the error shows it (repr of the resolved setting)."""
     if knob == "XIRANG_ELASTIC":
         return repr(value == "1")
-    if knob in ("XIRANG_SEGMENT_BYTES", "XIRANG_SMALL_BYTES", "XIRANG_SHM_BYTES"):
+    if knob in ("XIRANG_SEGMENT_BYTES", "XIRANG_SMALL_BYTES"):
         return repr(int(value))
     if knob == "XIRANG_HEARTBEAT_S":
         return repr(float(value))
@@ -362,10 +386,18 @@ def test_knob_mismatch_is_a_clear_error(backend):
                 assert name in e.message and f"rank {other}: {_shown(knob, theirs)}" in e.message, e.message
                 assert f"this rank {_shown(knob, (v0, v1)[r])}" in e.message, e.message
                 assert e.elapsed < 15, f"{knob}: rank {r} took {e.elapsed:.1f} s to fail"
-        # the same settings on both ranks create the group (the check is not a blanket refusal)
-        env = [{"XIRANG_ALGO": "ring", "XIRANG_SEGMENT_BYTES": "65536"}] * 2
-        res = pool.run(w_mismatch, "agree", env, timeout=60)
-        assert res == [None, None], res
+        # settings that agree create the group (the check is not a blanket refusal), and it works
+        for i, env in enumerate(AGREEMENTS):
+            res = pool.run(w_mismatch, f"agree{i}", list(env), timeout=60)
+            assert res == [3.0, 3.0], (env, res)
+        # a rank's own bad knob fails it, and its peer at once (told through the store)
+        for i, (knob, value, text) in enumerate(BAD_ON_ONE_RANK):
+            res = pool.run(w_mismatch, f"bad{i}", [{}, {knob: value}], timeout=60)
+            for r, e in enumerate(res):
+                assert isinstance(e, mp_pool.ExcInfo), f"{knob}: rank {r} created the group"
+                assert e.type_name == "ValueError" and text in e.message, f"{knob}: rank {r}: {e.message}"
+                assert e.elapsed < 15, f"{knob}: rank {r} took {e.elapsed:.1f} s to fail"
+            assert "xirang rank 0: rank 1 cannot create group" in res[0].message, res[0].message
 
 
 @pytest.mark.dedicated
