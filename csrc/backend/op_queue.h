@@ -13,6 +13,7 @@
 // operation raises it. Elastic mode's MembershipChanged does not poison: the group goes on.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -112,6 +113,8 @@ class OpQueue {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Op> queue_;
+  std::atomic<uint64_t> pending_{0};  // queue_.size(), read without mu_ by the spin
+  std::chrono::microseconds spin_{0};  // XIRANG_SPIN_US
   bool stop_ = false;
   std::string poison_;
   std::thread thread_;

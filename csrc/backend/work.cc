@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <thread>
 
 #include "backend/completions.h"
 #include "backend/tensors.h"
@@ -54,6 +55,10 @@ class WaitTimer {
 
 bool WorkXirang::wait(std::chrono::milliseconds timeout) {
   WaitTimer timer(wait_clock_.get());
+  if (spin_.count() > 0) {  // a small operation ends within the spin: no sleep, no wake-up
+    const auto end = Clock::now() + spin_;
+    while (!done_.load(std::memory_order_acquire) && Clock::now() < end) std::this_thread::yield();
+  }
   if (timeout != kNoTimeout) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
@@ -86,6 +91,7 @@ void WorkXirang::complete(std::exception_ptr error) {
 }
 
 void WorkXirang::completeNow(std::exception_ptr error) {
+  done_.store(true, std::memory_order_release);
   try {
     if (error) future_->setError(error);
     else stage_->completeFuture(future_, c10::IValue(outputs_));  // a CUDA stage: its side stream current

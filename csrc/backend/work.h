@@ -3,6 +3,7 @@
 
 #include <exception>
 #include <memory>
+#include <atomic>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -37,7 +38,8 @@ class WorkXirang : public c10d::Work {
 
   std::string desc_;  // "xirang rank R: <op> (op #seq, ...)" for messages
   int source_rank_ = -1;
-  std::shared_ptr<WaitClock> wait_clock_;  // null when the group keeps no records (XIRANG_STATS=0)
+  std::shared_ptr<WaitClock> wait_clock_;
+  std::chrono::microseconds spin_{0};  // wait() polls this long before it sleeps (XIRANG_SPIN_US)  // null when the group keeps no records (XIRANG_STATS=0)
 
  private:
   void completeNow(std::exception_ptr error);
@@ -46,7 +48,8 @@ class WorkXirang : public c10d::Work {
   std::shared_ptr<OpStage> stage_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::mutex future_mu_;
-  bool future_handed_ = false;  // getFuture() was called: callbacks may be attached
+  bool future_handed_ = false;
+  std::atomic<bool> done_{false};  // completeNow() is finishing it: wait() may stop spinning  // getFuture() was called: callbacks may be attached
 };
 
 // Coalescing (batch_isend_irecv, the coalescing manager): the Works of the operations issued

@@ -53,6 +53,9 @@ def test_options_timeout_accepts_timedelta_and_seconds():
     ("XIRANG_DEBUG", "LOUD", "ValueError xirang: XIRANG_DEBUG='LOUD' is not a log level: accepted values are "
                              "WARN, INFO, TRACE (case-insensitive)"),
     ("XIRANG_RING_ORDER", "random", "XIRANG_RING_ORDER must be topology or rank"),
+    ("XIRANG_SPIN_US", "20000", "ValueError XIRANG_SPIN_US=20000 must be 0 to 10000 microseconds"),
+    ("XIRANG_SPIN_US", "-1", "XIRANG_SPIN_US=-1 must be 0 to 10000 microseconds"),
+    ("XIRANG_SPIN_US", "fast", "ValueError xirang: XIRANG_SPIN_US='fast' is not an integer"),
     ("XIRANG_HOST", "node\t1", "XIRANG_HOST='node\\t1': a host or rack label must be printable"),
     ("XIRANG_RACK", "r\n2", "XIRANG_RACK='r\\n2': a host or rack label must be printable"),
 ])

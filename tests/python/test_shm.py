@@ -350,6 +350,8 @@ AGREEMENTS = [
     ({"XIRANG_TRANSPORT_LOCAL": "shm", "XIRANG_SHM_BYTES": "4194304"},
      {"XIRANG_TRANSPORT_LOCAL": "shm", "XIRANG_SHM_BYTES": "8192"}),
     ({"XIRANG_ALGO": "ring", "XIRANG_SMALL_BYTES": "65536"}, {"XIRANG_ALGO": "ring", "XIRANG_SMALL_BYTES": "0"}),
+    # a rank's own timing: one rank sleeps at once, the other polls 10 ms before it sleeps
+    ({"XIRANG_SPIN_US": "0"}, {"XIRANG_SPIN_US": "10000"}),
 ]
 
 # One rank's own bad knob (rank 1's; rank 0's are the defaults): the text of its error.
