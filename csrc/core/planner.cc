@@ -63,6 +63,13 @@ void allreduceOp(const Comm& comm, const AllreduceImpl& impl, void* data, int64_
   if (!err.empty()) throw std::invalid_argument("xirang: allreduce: " + err);
   const AllreducePlan p = planAllreduce(comm, dtype, op, premul);
   algo::Reducer& red = *comm.reducer;
+  // native on buf times pre_scale: fused where the algorithms offer it, else a scale pass first.
+  auto scaledNative = [&](void* buf, DType wire) {
+    if (p.pre_scale == 1.0) return impl.native(buf, numel, wire, p.wire_op);
+    if (impl.scaled_native) return impl.scaled_native(buf, numel, wire, p.wire_op, p.pre_scale);
+    red.scale(buf, numel, wire, p.pre_scale);
+    impl.native(buf, numel, wire, p.wire_op);
+  };
   switch (p.path) {
     case AllreducePlan::Path::Direct16:
       impl.direct16(static_cast<uint16_t*>(data), numel, dtype, p.wire_op, static_cast<float>(p.pre_scale), p.post_scale);
@@ -70,14 +77,12 @@ void allreduceOp(const Comm& comm, const AllreduceImpl& impl, void* data, int64_
     case AllreducePlan::Path::Widened: {
       float* wide = reinterpret_cast<float*>(comm.scratchBytes(3, static_cast<size_t>(numel) * sizeof(float)));
       red.widen(static_cast<const uint16_t*>(data), wide, numel, dtype);
-      if (p.pre_scale != 1.0) red.scale(wide, numel, DType::Float32, p.pre_scale);
-      impl.native(wide, numel, DType::Float32, p.wire_op);
+      scaledNative(wide, DType::Float32);
       red.narrow(wide, static_cast<uint16_t*>(data), numel, dtype);
       return;
     }
     case AllreducePlan::Path::Native:
-      if (p.pre_scale != 1.0) red.scale(data, numel, dtype, p.pre_scale);
-      impl.native(data, numel, dtype, p.wire_op);
+      scaledNative(data, dtype);
       return;
   }
 }

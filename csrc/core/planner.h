@@ -56,6 +56,11 @@ void allreduceOp(const Comm& comm, const OpCtx& ctx, void* data, int64_t numel, 
 // runs the engine's (over comm.link); the shared-memory algorithms (algorithms/shm.h) pass theirs.
 struct AllreduceImpl {
   std::function<void(void* data, int64_t numel, DType wire, ReduceOp op)> native;
+  // Optional: native on data times `scale` (AVG's 1/N, PREMUL_SUM's factor), bitwise the
+  // reducer's scale() over the whole buffer and then native, with the scaling fused into the
+  // algorithm's own passes over the data where it can (shared memory: one read and write of the
+  // message less). Without it, allreduceOp scales first.
+  std::function<void(void* data, int64_t numel, DType wire, ReduceOp op, double scale)> scaled_native;
   std::function<void(uint16_t* data, int64_t numel, DType t, ReduceOp op, float pre_scale, float post_scale)> direct16;
 };
 // allreduceOp with the algorithms of `impl`: the same checks, plan, widening and scaling.

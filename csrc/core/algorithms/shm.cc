@@ -37,6 +37,19 @@ const char* variantName(uint64_t v) {
 // fold read and write cache instead of memory.
 constexpr uint64_t kFoldBlockBytes = 16 << 10;
 
+// dst = src * scale (elements of t; scale 1: a copy): the reducer's copy and then its scale() a
+// block at a time, so the scaling costs no pass over memory of its own.
+void copyScaled(algo::Reducer& red, uint8_t* dst, const uint8_t* src, uint64_t bytes, DType t, double scale) {
+  if (scale == 1.0) return red.copy(dst, src, bytes);
+  const size_t elem = elementSize(t);
+  const uint64_t block = std::max<uint64_t>(elem, kFoldBlockBytes / elem * elem);
+  for (uint64_t b = 0; b < bytes; b += block) {
+    const uint64_t len = std::min(block, bytes - b);
+    red.copy(dst + b, src + b, len);
+    red.scale(dst + b, static_cast<int64_t>(len / elem), t, scale);
+  }
+}
+
 // The comm seen from the domain: local indices (= rank order, d.ranks() is sorted) and ring
 // positions of the same ranks.
 struct Local {
@@ -222,8 +235,9 @@ struct Fold {
 
 // The lane's `count` elements of `elem` bytes: copy k (k = local index, i.e. rank order) at
 // area + k * count * elem, except this rank's own copy when `own` is given: then it is read (and
-// may be clobbered) at `own`, and every block of the result is also written back over it once
-// that block is folded (an allreduce's own lane: the result is what the rank's buffer ends with,
+// may be clobbered) at `own`, each block first scaled by `own_scale` (the reducer's scale(), as
+// the others' copies were on their way in), and every block of the result is also written back
+// over it once that block is folded (an allreduce's own lane: the result is what the rank's buffer ends with,
 // written while it is in cache instead of copied out of the segment later). Writes the result to
 // `out` (which must not overlap the copies). The ring order clobbers the copies (nobody else
 // reads this lane's slot before the next barrier).
@@ -231,7 +245,8 @@ struct Fold {
 //   kRingOrder: a = x_p(s); a = op(x_p(s+i), a) for i = 1..n-1   (the ring scatter-reduce's
 //               roles: the receiving position's own input is the destination)
 //   kCombine16: combine16 in rank order with pre / post scaling    (allreduce16; no `own`)
-void reduceLane(const Local& L, const Fold& f, uint8_t* area, int64_t count, uint8_t* out, uint8_t* own = nullptr) {
+void reduceLane(const Local& L, const Fold& f, uint8_t* area, int64_t count, uint8_t* out, uint8_t* own = nullptr,
+                double own_scale = 1.0) {
   if (count <= 0) return;
   const size_t elem = elementSize(f.t);
   const int n = L.n;
@@ -247,6 +262,7 @@ void reduceLane(const Local& L, const Fold& f, uint8_t* area, int64_t count, uin
   for (uint64_t b = 0; b < stride; b += block) {
     const uint64_t bytes = std::min(block, stride - b);
     const int64_t cnt = static_cast<int64_t>(bytes / elem);
+    if (own != nullptr && own_scale != 1.0) L.red.scale(own + b, cnt, f.t, own_scale);  // read first here
     if (f.variant == kRankOrder || n == 1) {
       L.red.copy(out + b, copyOf(0) + b, bytes);
       for (int k = 1; k < n; ++k) L.red.reduceInto(out + b, copyOf(k) + b, cnt, f.t, f.op);
@@ -275,11 +291,13 @@ void reduceLane(const Local& L, const Fold& f, uint8_t* area, int64_t count, uin
 // out of it: at n = 2 a rank's memory traffic per byte of message goes from 5.5 bytes (copy in 2,
 // fold 1.5, copy out 2) to 4 (1, 2, 1).
 void reduceLanes(const Local& L, const OpCtx& ctx, const char* name, const std::vector<RecvSeg>& lanes,
-                 const std::vector<Fold>& folds, bool gather_all) {
+                 const std::vector<Fold>& folds, bool gather_all, double scale = 1.0) {
   ShmDomain& d = L.d;
   const int n = L.n;
   const size_t elem = elementSize(folds[0].t);
   const bool own_in_place = gather_all && folds[static_cast<size_t>(L.me)].variant != kCombine16;
+  if (scale != 1.0 && folds[static_cast<size_t>(L.me)].variant == kCombine16)
+    throw std::logic_error("xirang: shared memory: combine16 scales in its fold");
   // Per piece and lane: n copies and the result, 64-byte aligned, in one slot.
   const uint64_t cap = (d.slotBytes() / static_cast<uint64_t>(n + 1)) / 64 * 64;
   auto counts = [&](int j, int64_t k, Window* w) {
@@ -306,8 +324,8 @@ void reduceLanes(const Local& L, const OpCtx& ctx, const char* name, const std::
       Window w;
       const int64_t c = counts(j, k, &w);
       const uint64_t stride = static_cast<uint64_t>(c) * elem;
-      L.red.copy(d.slot(j) + stride * static_cast<uint64_t>(L.me), static_cast<uint8_t*>(lanes[static_cast<size_t>(j)].data) + w.off,
-                 w.bytes);
+      copyScaled(L.red, d.slot(j) + stride * static_cast<uint64_t>(L.me),
+                 static_cast<uint8_t*>(lanes[static_cast<size_t>(j)].data) + w.off, w.bytes, folds[0].t, scale);
       wrote += w.bytes;
     }
     return wrote;
@@ -317,7 +335,7 @@ void reduceLanes(const Local& L, const OpCtx& ctx, const char* name, const std::
     const int64_t c = counts(L.me, k, &w);
     uint8_t* mine = static_cast<uint8_t*>(lanes[static_cast<size_t>(L.me)].data) + w.off;
     uint8_t* result = gather_all ? d.slot(L.me) + static_cast<uint64_t>(c) * elem * static_cast<uint64_t>(n) : mine;
-    reduceLane(L, folds[static_cast<size_t>(L.me)], d.slot(L.me), c, result, own_in_place ? mine : nullptr);
+    reduceLane(L, folds[static_cast<size_t>(L.me)], d.slot(L.me), c, result, own_in_place ? mine : nullptr, scale);
   };
   if (gather_all) {
     p.out = [&](int64_t k) {
@@ -346,7 +364,9 @@ void setAlgorithm(const OpCtx& ctx, const char* name) {
   if (ctx.phases) ctx.phases->algorithm = name;
 }
 
-void localAllreduce(const Local& L, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op) {
+// `scale`: every input times it first (scaled_native's contract), fused into the copies.
+void localAllreduce(const Local& L, const OpCtx& ctx, void* data, int64_t numel, DType wire, ReduceOp op,
+                    double scale = 1.0) {
   const bool ring = allreduceAlgo(L.comm, numel, wire) != Comm::Algo::Direct;
   std::vector<Fold> folds(static_cast<size_t>(L.n));
   for (int j = 0; j < L.n; ++j) {
@@ -356,7 +376,7 @@ void localAllreduce(const Local& L, const OpCtx& ctx, void* data, int64_t numel,
     f.t = wire;
     f.op = op;
   }
-  reduceLanes(L, ctx, "allreduce", chunkLanes(data, numel, L.n, elementSize(wire)), folds, true);
+  reduceLanes(L, ctx, "allreduce", chunkLanes(data, numel, L.n, elementSize(wire)), folds, true, scale);
   setAlgorithm(ctx, ring ? "shm_ring_order" : "shm_rank_order");
 }
 
@@ -418,6 +438,11 @@ void allreduceOp(const Comm& comm, ShmDomain& d, const OpCtx& ctx, void* data, i
                  double premul) {
   AllreduceImpl impl;
   impl.native = [&](void* x, int64_t n, DType wire, ReduceOp o) { allreduce(comm, d, ctx, x, n, wire, o); };
+  if (comm.size() > 1 && covers(comm.ring, d)) {  // one host: the scaling rides on the copies in
+    impl.scaled_native = [&](void* x, int64_t n, DType wire, ReduceOp o, double scale) {
+      localAllreduce(localView(comm, d, "allreduce"), ctx, x, n, wire, o, scale);
+    };
+  }
   impl.direct16 = [&](uint16_t* x, int64_t n, DType t, ReduceOp o, float pre, float post) {
     allreduce16(comm, d, ctx, x, n, t, o, pre, post);
   };
