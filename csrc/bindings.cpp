@@ -224,6 +224,10 @@ PYBIND11_MODULE(_C, m) {
         "A declared int knob (K/M/G suffixes: powers of 1024; unset and no default: 0); ValueError otherwise.");
   m.def("env_double", [](const std::string& name) { return xirang::env::getDouble(name.c_str()); }, py::arg("name"),
         "A declared float knob as a float; ValueError if it is not a number.");
+  m.def("check_settings", &xirang::checkSettings, py::arg("algorithm") = "auto",
+        "Parses and range-checks every knob a group reads on this rank alone (backend/config.h:\n"
+        "checkSettings), as the group will read it; `algorithm`: Options.algorithm. ValueError naming\n"
+        "the knob and the value. The group's creator calls it before the ranks exchange labels.");
   m.def("env_log_level", [] {
     static const char* names[] = {"WARN", "INFO", "TRACE"};
     return std::string(names[static_cast<int>(xirang::env::parseLogLevel())]);

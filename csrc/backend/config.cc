@@ -2,10 +2,17 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
+#include <unistd.h>
 
+#include <algorithm>
+#include <stdexcept>
+
+#include "backend/op_queue.h"
+#include "core/codec.h"
 #include "core/env.h"
 #include "core/topology.h"
+#include "core/transport/auth.h"
+#include "core/transport/socket.h"
 
 namespace xirang {
 
@@ -48,6 +55,36 @@ Comm configure(int rank, int size, const XirangConfig& cfg, std::string& algo) {
     }
   }
   return comm;
+}
+
+void checkSettings(const std::string& algorithm) {
+  try {
+    XirangConfig cfg;
+    cfg.algorithm = algorithm;
+    std::string algo;
+    configure(0, 1, cfg, algo);
+    env::getBool("XIRANG_STATS");
+    env::getInt("XIRANG_STATS_CAPACITY");
+    codec::activePath();  // a process knob: read at its first use, which may be this
+    spinKnob();
+    const int64_t handshake = env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS");
+    if (handshake <= 0)
+      throw std::invalid_argument("xirang: XIRANG_HANDSHAKE_TIMEOUT_MS=" + std::to_string(handshake) +
+                                  " must be > 0 milliseconds");
+    const std::string key_file = env::get("XIRANG_AUTH_KEY_FILE");
+    if (!key_file.empty()) transport::loadKeyFile(key_file);
+    const std::string ifname = env::get("XIRANG_SOCKET_IFNAME");
+    if (!ifname.empty()) {  // the transport's own bind, on a port of its own, closed again
+      std::string address;
+      ::close(transport::listenOnInterface(ifname, &address));
+    }
+  } catch (const std::invalid_argument&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw std::invalid_argument(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(e.what());
+  }
 }
 
 }  // namespace xirang

@@ -35,4 +35,14 @@ struct XirangConfig {
 // for a bad knob value or a ring order of the wrong size.
 Comm configure(int rank, int size, const XirangConfig& cfg, std::string& algo);
 
+// Every knob a group reads on this rank alone, parsed and range-checked as the group and its
+// operations will read it: the algorithms' (configure() with `algorithm`, Options.algorithm),
+// XIRANG_STATS / _STATS_CAPACITY, XIRANG_CODEC (once per process), XIRANG_SPIN_US,
+// XIRANG_HANDSHAKE_TIMEOUT_MS (> 0), XIRANG_AUTH_KEY_FILE (read) and XIRANG_SOCKET_IFNAME (an
+// address on it can be bound). python/xirang/_backend.py calls it before the label exchange, so a
+// bad value on one rank fails every rank at once (its peers learn it from the exchange) instead
+// of failing that rank inside the constructor while its peers wait for it until the timeout.
+// Throws std::invalid_argument naming the knob and the value.
+void checkSettings(const std::string& algorithm);
+
 }  // namespace xirang

@@ -111,6 +111,8 @@ std::shared_ptr<transport::ShmDomain> Membership::makeShm(const std::vector<int>
         transport::ShmDomain::create(rank_, local, *store_, o, Clock::now() + cfg_.timeout));
   } catch (const transport::ShmUnavailable& e) {
     unavailable = e.what();
+  } catch (const std::invalid_argument& e) {  // a local rank's bad XIRANG_SHM_BYTES: ValueError
+    TORCH_CHECK_VALUE(false, rankPrefix(rank_), "creating the shared-memory domain of ", who, " failed: ", e.what());
   } catch (const std::exception& e) {
     XR_CHECK(rank_, false, "creating the shared-memory domain of ", who, " failed: ", e.what());
   }

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
 
 #include "backend/tensors.h"
 #include "core/env.h"
@@ -14,9 +15,18 @@ using transport::OpKind;
 
 OpQueue::OpQueue(int rank, const XirangConfig& cfg, Membership& membership, Records& records)
     : rank_(rank), cfg_(cfg), membership_(membership), records_(records) {
+  try {
+    spin_ = spinKnob();
+  } catch (const std::invalid_argument& e) {
+    XR_CHECK(rank, false, e.what());
+  }
+}
+
+std::chrono::microseconds spinKnob() {
   const int64_t spin = env::getInt("XIRANG_SPIN_US");
-  XR_CHECK(rank, spin >= 0 && spin <= 10000, "XIRANG_SPIN_US=", spin, " must be 0 to 10000 microseconds");
-  spin_ = std::chrono::microseconds(spin);
+  if (spin < 0 || spin > 10000)
+    throw std::invalid_argument("XIRANG_SPIN_US=" + std::to_string(spin) + " must be 0 to 10000 microseconds");
+  return std::chrono::microseconds(spin);
 }
 
 OpQueue::~OpQueue() { stop(); }

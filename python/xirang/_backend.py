@@ -251,9 +251,7 @@ def create(dist_backend_opts, backend_options):
         order = opts.ring_order or C.env_get("XIRANG_RING_ORDER")
         if order not in _RING_ORDERS:
             raise ValueError(f"XIRANG_RING_ORDER must be topology or rank, got {order!r}")
-        spin = C.env_int("XIRANG_SPIN_US")
-        if not 0 <= spin <= 10000:
-            raise ValueError(f"XIRANG_SPIN_US={spin} must be 0 to 10000 microseconds")
+        C.check_settings(opts.algorithm)  # the knobs the C++ group reads on this rank alone
         shared = _shared_settings(C, opts, local, order, elastic, heartbeat_s)
         host, rack = _labels(C)
         mine = {"host": host, "rack": rack, "settings": shared}
