@@ -294,13 +294,17 @@ PYBIND11_MODULE(_C, m) {
       .def("allreduce_ef", &xirang::ProcessGroupXirang::allreduceEF, py::arg("buffer"), py::arg("residual"),
            py::arg("staged_residual"), py::arg("group_id") = -1, py::arg("label") = "",
            py::arg("plain") = std::vector<at::Tensor>{}, py::arg("wire") = "bf16",
+           py::arg("pack_into") = std::vector<at::Tensor>{}, py::arg("pack_from") = std::vector<at::Tensor>{},
            py::call_guard<py::gil_scoped_release>(),
            "One layer group's reduction, on the communication thread: error-feedback allreduce (average)\n"
            "of a 1-D float32 buffer, then the average of each `plain` tensor in its own dtype.\n"
            "wire: 'bf16' (the compressed ring), 'fp16' or 'int8' (the direct form: codes plus one fp32\n"
            "scale per 1024 elements, summed in fp32 at each chunk's owner). residual (float32, same\n"
-           "numel) is read; the new residual is written to staged_residual. Returns a Work; its future's\n"
-           "value is [buffer, *plain], bitwise equal on all ranks. RuntimeError for an unknown wire.")
+           "numel) is read; the new residual is written to staged_residual. pack_into / pack_from (CPU):\n"
+           "first pack_into[i].copy_(pack_from[i]) on the communication thread, each pack_into[i] a\n"
+           "contiguous view of buffer or a plain tensor (the hook's packing; timed as the record's\n"
+           "pack_s). Returns a Work; its future's value is [buffer, *plain], bitwise equal on all\n"
+           "ranks. RuntimeError for an unknown wire or a bad pack pair.")
       .def("records", [](xirang::ProcessGroupXirang& pg) {
         py::list out;
         for (const auto& r : pg.records()) out.append(fieldsToDict(r));

@@ -4,6 +4,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <sstream>
@@ -191,7 +192,13 @@ void allreduceSparse(const Comm& comm, const OpCtx& ctx, const at::Tensor& t, in
 }
 
 void allreduceEF(const Comm& comm, const OpCtx& ctx, const at::Tensor& buffer, const at::Tensor& residual,
-                 const at::Tensor& staged, const std::vector<at::Tensor>& plain, codec::Wire wire) {
+                 const at::Tensor& staged, const std::vector<at::Tensor>& plain, codec::Wire wire,
+                 const std::vector<at::Tensor>& pack_into, const std::vector<at::Tensor>& pack_from) {
+  if (!pack_into.empty()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < pack_into.size(); ++i) pack_into[i].copy_(pack_from[i]);
+    if (ctx.phases) ctx.phases->pack_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   // planner.h: Collectives::allreduceEF chooses the algorithm (the BF16 ring, the FP16 / INT8
   // direct form, two-level on multi-host groups, fp32 through shared memory on one host).
   collectivesFor(comm).allreduceEF(comm, ctx, buffer.data_ptr<float>(), residual.data_ptr<float>(),

@@ -36,10 +36,13 @@ constexpr int64_t kSparseMaxDims = 64;
 // The sum of one sparse COO CPU tensor `t` over the ranks, written into t (see the .cc).
 void allreduceSparse(const Comm& comm, const OpCtx& ctx, const at::Tensor& t, int size);
 
-// The hook's op: error-feedback average of `buffer` in wire format `wire` (planner.h:
-// Collectives::allreduceEF), then the plain average of each `plain` tensor in its own dtype.
+// The hook's op: pack_into[i].copy_(pack_from[i]) (the layer group's gradients into views of
+// buffer / plain; timed as ctx.phases->pack_s), the error-feedback average of `buffer` in wire
+// format `wire` (planner.h: Collectives::allreduceEF), then the plain average of each `plain`
+// tensor in its own dtype.
 void allreduceEF(const Comm& comm, const OpCtx& ctx, const at::Tensor& buffer, const at::Tensor& residual,
-                 const at::Tensor& staged, const std::vector<at::Tensor>& plain, codec::Wire wire);
+                 const at::Tensor& staged, const std::vector<at::Tensor>& plain, codec::Wire wire,
+                 const std::vector<at::Tensor>& pack_into = {}, const std::vector<at::Tensor>& pack_from = {});
 
 void broadcast(const Comm& comm, const OpCtx& ctx, const at::Tensor& t, int root);
 // Allreduce into a private buffer; only the root writes t.

@@ -221,7 +221,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceSparse(std::vector<a
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceEF(at::Tensor buffer, at::Tensor residual,
                                                                at::Tensor staged, int64_t group_id, std::string label,
-                                                               std::vector<at::Tensor> plain, std::string wire_name) {
+                                                               std::vector<at::Tensor> plain, std::string wire_name,
+                                                               std::vector<at::Tensor> pack_into,
+                                                               std::vector<at::Tensor> pack_from) {
   codec::Wire wire = codec::Wire::BF16;
   try {
     wire = codec::wireFromName(wire_name);
@@ -251,6 +253,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceEF(at::Tensor buffer
   uint64_t numel = static_cast<uint64_t>(buffer.numel());
   for (const auto& t : plain) numel += static_cast<uint64_t>(t.numel());
   std::vector<at::Tensor> outs = concat({buffer}, plain);
+  XR_CHECK(rank_, pack_into.size() == pack_from.size(), op, ": pack_into has ", pack_into.size(),
+           " tensors, pack_from ", pack_from.size());
+  for (size_t i = 0; i < pack_into.size(); ++i) {
+    const at::Tensor& d = pack_into[i];
+    const at::Tensor& s = pack_from[i];
+    XR_CHECK(rank_, d.defined() && s.defined() && d.is_cpu() && s.is_cpu() && buffer.is_cpu(), op, ": pack ", i,
+             ": packing is for CPU tensors (the caller packs CUDA gradients on their device)");
+    XR_CHECK(rank_, d.scalar_type() == s.scalar_type() && d.numel() == s.numel() && d.is_contiguous(), op, ": pack ",
+             i, ": pack_into (", d.scalar_type(), ", ", d.numel(), " elements", d.is_contiguous() ? "" : ", strided",
+             ") and pack_from (", s.scalar_type(), ", ", s.numel(), " elements) must match, pack_into contiguous");
+    XR_CHECK(rank_, std::any_of(outs.begin(), outs.end(), [&](const at::Tensor& o) { return d.is_alias_of(o); }),
+             op, ": pack ", i, ": pack_into must be a view of buffer or of a plain tensor");
+  }
   // Elastic mode: the hook's op is retried on the rebuilt ring from a copy of its inputs (the
   // residual is only read; the new one is rewritten into staged), averaged over the live ranks.
   SaveFn save;
@@ -265,8 +280,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceEF(at::Tensor buffer
   return enqueue({.type = c10d::OpType::ALLREDUCE, .title = groupTitle(group_id), .kind = OpKind::AllreduceEF,
                   .outputs = outs, .inputs = outs, .dtype = DType::Float32, .reduce = ReduceOp::Avg, .numel = numel,
                   .group_id = group_id, .label = std::move(label), .save = std::move(save), .wire = wire},
-                 stage, [this, stage, buffer, residual, staged, plain, wire](OpCtx& ctx) {
-                   host::allreduceEF(stage->comm(comm(), ctx), ctx, buffer, residual, staged, plain, wire);
+                 stage, [this, stage, buffer, residual, staged, plain, wire, pack_into, pack_from](OpCtx& ctx) {
+                   host::allreduceEF(stage->comm(comm(), ctx), ctx, buffer, residual, staged, plain, wire, pack_into,
+                                     pack_from);
                  });
 }
 

@@ -114,12 +114,18 @@ class ProcessGroupXirang : public c10d::Backend {
   // fp32 scale per 1024 elements, codec.h: Wire), then a plain average of each `plain` tensor in
   // its own dtype, as one op. buffer, residual, staged: 1-D contiguous float32 CPU tensors of
   // equal numel; residual is read, the new residual is written to staged (must not share storage
-  // with residual). Future value: [buffer, *plain]. Errors: c10::Error for bad arguments (an
-  // unknown wire name included); every rank of the group must pass the same wire (a mismatch
-  // fails the op on every rank, naming the frames that disagree).
+  // with residual). pack_into / pack_from (CPU only, equal lengths): first, on the communication
+  // thread, pack_into[i].copy_(pack_from[i]), each pack_into[i] a contiguous view of buffer or of
+  // a plain tensor, pack_from[i] of its dtype and numel (the hook's packing of a layer group's
+  // gradients, off the autograd thread; the sources are kept alive until the op ends). Future
+  // value: [buffer, *plain]. Errors: c10::Error for bad arguments (an unknown wire name
+  // included); every rank of the group must pass the same wire (a mismatch fails the op on every
+  // rank, naming the frames that disagree).
   c10::intrusive_ptr<c10d::Work> allreduceEF(at::Tensor buffer, at::Tensor residual, at::Tensor staged,
                                              int64_t group_id, std::string label = "",
-                                             std::vector<at::Tensor> plain = {}, std::string wire = "bf16");
+                                             std::vector<at::Tensor> plain = {}, std::string wire = "bf16",
+                                             std::vector<at::Tensor> pack_into = {},
+                                             std::vector<at::Tensor> pack_from = {});
 
   // This rank's operation records (bounded ring buffer, oldest first) and clearing them.
   std::vector<OpRecord> records() { return records_->snapshot(); }

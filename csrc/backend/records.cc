@@ -164,6 +164,7 @@ void Records::finish(OpRecord rec, const Phases& ph, bool ok, uint64_t raw_per_w
   const auto end = Clock::now();
   rec.queued_s = std::chrono::duration<double>(start - enqueued).count();
   rec.total_s = std::chrono::duration<double>(end - start).count();
+  rec.pack_s = ph.pack_s;
   rec.encode_s = ph.encode_s;
   rec.scatter_reduce_s = ph.scatter_reduce_s;
   rec.allgather_s = ph.allgather_s;

@@ -73,6 +73,7 @@ inline std::string efOpName(codec::Wire w) { return std::string("allreduce_") + 
   X(uint64_t, bytes_cross_rack, 0)            /* of it, to ranks on another rack */                   \
   X(double, t_enqueue, 0)                     /* since the group was created */                       \
   X(double, queued_s, 0)                                                                              \
+  X(double, pack_s, 0)                        /* the hook's op: its gradients copied into its buffers */ \
   X(double, encode_s, 0)                                                                              \
   X(double, scatter_reduce_s, 0)                                                                      \
   X(double, allgather_s, 0)                                                                           \

@@ -82,6 +82,7 @@ struct PeerStat {
 
 // Seconds spent in each phase of one operation, and payload bytes this rank sent.
 struct Phases {
+  double pack_s = 0;  // the hook's op: copying the layer group's gradients into its buffers
   double encode_s = 0, scatter_reduce_s = 0, allgather_s = 0, decode_s = 0;
   uint64_t bytes_sent = 0;  // payload only, headers excluded
   uint64_t bytes_shm = 0;   // payload this rank wrote into shared memory (algorithms/shm.h)

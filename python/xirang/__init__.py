@@ -67,8 +67,8 @@ def stats(process_group=None, gather: bool = False):
     Each record is a dict: seq, op, algorithm, group_id (the hook's layer group, -1 otherwise),
     label (the group's layer names), dtype, numel, bytes_raw, bytes_wire (payload bytes this rank
     sent; headers excluded), bytes_tcp and bytes_shm (of them, over TCP sockets / written into the
-    same-host shared memory, XIRANG_TRANSPORT_LOCAL), bytes_cross_host, bytes_cross_rack, t_enqueue, queued_s, encode_s,
-    scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok, peers, exposed_wait_s.
+    same-host shared memory, XIRANG_TRANSPORT_LOCAL), bytes_cross_host, bytes_cross_rack, t_enqueue, queued_s, pack_s (the hook's op:
+    its gradients copied into the group's buffers), encode_s, scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok, peers, exposed_wait_s.
 
     exposed_wait_s: seconds the caller's threads spent blocked in ``Work.wait()`` on the operation
     (the exposed part of its communication), as of this call; None while no ``Work.wait()`` has

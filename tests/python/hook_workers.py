@@ -92,8 +92,12 @@ class FakeEFBackend:
         self.ring = list(range(dist.get_world_size(pg)))
         self.shm_ranks = []  # no shared-memory domain: the hook takes its layer-group path
 
-    def allreduce_ef(self, buffer, residual, staged, group_id, label="", plain=(), wire="bf16"):
+    def allreduce_ef(self, buffer, residual, staged, group_id, label="", plain=(), wire="bf16", pack_into=(),
+                     pack_from=()):
         assert wire == "bf16", f"the stand-in emulates the bf16 wire only, got {wire!r}"
+        assert len(pack_into) == len(pack_from)
+        for d, s in zip(pack_into, pack_from):  # the packing the real op does first
+            d.copy_(s)
         for t in (buffer, residual, staged):
             assert t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous(), t
             assert t.numel() == buffer.numel()

@@ -21,10 +21,12 @@ def bf16_error_feedback_hook(
     Per call, for ``bucket`` (flat 1-D ``bucket.buffer()``, one dtype, this rank's un-averaged
     gradients):
 
-    1. Each parameter's gradient is copied into its layer group's packed buffers, at an offset
-       fixed by parameter order: compressed tensors (fp32, ``ndim >= 2``, ``numel >=
+    1. Each parameter's gradient is to be copied into its layer group's packed buffers, at an
+       offset fixed by parameter order: compressed tensors (fp32, ``ndim >= 2``, ``numel >=
        min_compress_numel``) into one fp32 buffer ``[n_ef]``, the rest into one buffer per
-       dtype.
+       dtype. On the host the group's operation does these copies on the communication thread
+       (``pack_into`` / ``pack_from``; its record's ``pack_s``), off the autograd thread; CUDA
+       gradients are copied on their device at the launch.
     2. Every group whose last parameter arrived in this call is launched as one backend
        operation, ``backend.allreduce_ef(buf, residual, staged, group_id, label=..., plain=[...],
        wire=state.wire)`` (fp32 ``[n_ef]`` each; it writes the average over ranks decoded from the

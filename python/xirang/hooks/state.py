@@ -68,13 +68,16 @@ def _backend_for(process_group: Optional[dist.ProcessGroup]) -> Any:
 class _GroupStep:
     """One group's progress within one synced step."""
 
-    __slots__ = ("arrived", "handed", "early", "done", "t_first", "t_ready", "t_launch", "t_done", "seq", "finite",
+    __slots__ = ("arrived", "handed", "early", "pack_dst", "pack_src", "done", "t_first", "t_ready", "t_launch", "t_done", "seq", "finite",
                  "launched", "event")
 
     def __init__(self):
         self.arrived = 0  # slots whose gradient is packed or marked early (ready when all are)
         self.handed = 0  # slots DDP has handed in buckets (the bucket order: when all are)
         self.early: List[Slot] = []  # slots ready before their bucket: packed from .grad at launch
+        # Bucket gradients to pack at launch (views of the group's buffers, sources).
+        self.pack_dst: List[torch.Tensor] = []
+        self.pack_src: List[torch.Tensor] = []
         self.done: Optional[torch.futures.Future] = None
         self.t_first: Optional[float] = None
         self.t_ready: Optional[float] = None
@@ -532,10 +535,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             raise RuntimeError(f"bucket has {len(params)} parameters but {len(grads)} gradients")
 
         parts: Dict[int, List[Tuple[Slot, torch.Tensor]]] = {}
-        # Packing copies are batched (one torch._foreach_copy_ per run of the bucket) and flushed
-        # before each launch: a group starts as soon as its last gradient is packed.
-        pack_dst: List[torch.Tensor] = []
-        pack_src: List[torch.Tensor] = []
+        # Packing copies are the launch's (see _launch): a group starts as soon as DDP has handed
+        # its last gradient.
         for p, grad in zip(params, grads):
             s = self._slots.get(id(p))
             if s is None:
@@ -562,19 +563,17 @@ class BF16ErrorFeedbackState(Checkpointing):
                         f"bf16_error_feedback_hook: the gradient of {s.fqn} changed after its early launch "
                         "read it (another post-accumulate-grad hook?); pass early_launch=False")
             else:
-                pack_dst.append(s.view)
-                pack_src.append(grad.reshape(-1))
+                gs.pack_dst.append(s.view)
+                gs.pack_src.append(grad.reshape(-1))
                 gs.arrived += 1
                 if gs.arrived == len(g.slots):
-                    # Launch as soon as the group's last gradient is packed, before packing the
-                    # rest of the bucket: the order follows the bucket's parameter order, which
-                    # DDP makes identical on every rank.
-                    _flush_copies(pack_dst, pack_src)
+                    # Launch as soon as the group's last gradient is handed, before the rest of the
+                    # bucket: the order follows the bucket's parameter order, which DDP makes
+                    # identical on every rank.
                     self._group_ready(step, g, gs, t0)
             gs.handed += 1
             if gs.handed == len(g.slots):
                 step.bucket_order.append(g.index)
-        _flush_copies(pack_dst, pack_src)
 
         step_end = bool(bucket.is_last()) or len(step.arrived_ids) >= len(self._expected)
         if step_end:
@@ -706,9 +705,14 @@ class BF16ErrorFeedbackState(Checkpointing):
 
     def _launch(self, g: Group, gs: _GroupStep) -> None:
         gs.launched = True
-        if gs.early:  # slots marked early: their .grad, one foreach copy
-            torch._foreach_copy_([x.view for x in gs.early], [x.param.grad.reshape(-1) for x in gs.early])
-            gs.early = []
+        # The group's packing: slots marked early from their .grad, the others from their bucket.
+        # On the host the op copies them on the communication thread (record: pack_s), off the
+        # autograd thread; CUDA gradients here, with one foreach copy on the current stream.
+        dst = [x.view for x in gs.early] + gs.pack_dst
+        src = [x.param.grad.reshape(-1) for x in gs.early] + gs.pack_src
+        gs.early, gs.pack_dst, gs.pack_src = [], [], []
+        if dst and dst[0].is_cuda:
+            _flush_copies(dst, src)
         gs.t_launch = time.perf_counter()
         try:
             # One backend operation per group: the compressed ring for the matrices, then the
@@ -716,7 +720,7 @@ class BF16ErrorFeedbackState(Checkpointing):
             plain = [g.plain_bufs[dt] for dt in sorted(g.plain_bufs, key=str)]
             ef = (g.ef_buf, g.residual, g.staged) if g.ef_numel else tuple(torch.empty(0) for _ in range(3))
             work = self._backend.allreduce_ef(*ef, g.index, label=", ".join(g.layer_names), plain=plain,
-                                              wire=self.wire)
+                                              wire=self.wire, pack_into=dst, pack_from=src)
             if self._step is not None and self._step.layer_t is not None:  # calibrating: find its record
                 gs.seq = getattr(self._backend, "sequence_number", None)
             fut = work.get_future()
