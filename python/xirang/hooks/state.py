@@ -711,8 +711,9 @@ class BF16ErrorFeedbackState(Checkpointing):
         dst = [x.view for x in gs.early] + gs.pack_dst
         src = [x.param.grad.reshape(-1) for x in gs.early] + gs.pack_src
         gs.early, gs.pack_dst, gs.pack_src = [], [], []
-        if dst and dst[0].is_cuda:
+        if dst and dst[0].is_cuda:  # packed here: the op's pack_into is for CPU tensors
             _flush_copies(dst, src)
+            dst, src = [], []
         gs.t_launch = time.perf_counter()
         try:
             # One backend operation per group: the compressed ring for the matrices, then the
