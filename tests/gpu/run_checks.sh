@@ -23,6 +23,10 @@
 #                stream, the stream discipline and the communicator's creation through the store
 #   ddp          DDP + xirang hook, 50 steps: loss within 2% of gloo fp32, replicas bitwise equal
 #   ddp_nccl     the same on one rank through the NCCL engine, 20 steps (the hook's device buffers)
+#   fsdp         xirang.fsdp on CUDA, 2 ranks on GPU 0 (host-staged): the compressed reduce-scatter
+#                (fp32/bf16/int8 + error feedback) on a side stream behind a running producer kernel
+#                == the CPU call bitwise; FSDP2 gradients within each wire's bound of an fp64
+#                reference (tests/gpu/check_fsdp.py; its --cpu flag dry-runs the script here)
 #   nocuda       XIRANG_BUILD_CUDA=0 build (another dir): CUDA tensor -> "CUDA path is not built";
 #                skipped when under 100 s of the budget are left
 # Exit status: number of failed steps (0 = all passed or skipped).
@@ -118,6 +122,8 @@ step ddp 120 "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50
 grep -h "ddp" "$OUT/ddp.log" >> "$summary" 2>/dev/null
 step ddp_nccl 60 env XIRANG_CUDA_TRANSPORT=nccl "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 1 20
 grep -h "ddp" "$OUT/ddp_nccl.log" >> "$summary" 2>/dev/null
+step fsdp 60 "$PY" "$root/tests/gpu/check_fsdp.py" "$OUT" 2
+grep -h "fsdp" "$OUT/fsdp.log" >> "$summary" 2>/dev/null
 
 # --- the CPU-only build's error on a CUDA tensor ---------------------------------------------
 if [ "$(left)" -ge 100 ]; then
