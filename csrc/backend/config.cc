@@ -71,6 +71,12 @@ void checkSettings(const std::string& algorithm) {
     if (handshake <= 0)
       throw std::invalid_argument("xirang: XIRANG_HANDSHAKE_TIMEOUT_MS=" + std::to_string(handshake) +
                                   " must be > 0 milliseconds");
+    // A process knob of the TCP exchange, read at the first large send: checked here so that a bad
+    // value fails group creation instead of that op.
+    const int64_t send_thread = env::getInt("XIRANG_SEND_THREAD_BYTES");
+    if (send_thread < 0)
+      throw std::invalid_argument("xirang: XIRANG_SEND_THREAD_BYTES=" + std::to_string(send_thread) +
+                                  " must be >= 0 bytes (0: never a send thread)");
     const std::string key_file = env::get("XIRANG_AUTH_KEY_FILE");
     if (!key_file.empty()) transport::loadKeyFile(key_file);
     const std::string ifname = env::get("XIRANG_SOCKET_IFNAME");

@@ -38,7 +38,7 @@ Comm configure(int rank, int size, const XirangConfig& cfg, std::string& algo);
 // Every knob a group reads on this rank alone, parsed and range-checked as the group and its
 // operations will read it: the algorithms' (configure() with `algorithm`, Options.algorithm),
 // XIRANG_STATS / _STATS_CAPACITY, XIRANG_CODEC (once per process), XIRANG_SPIN_US,
-// XIRANG_HANDSHAKE_TIMEOUT_MS (> 0), XIRANG_AUTH_KEY_FILE (read) and XIRANG_SOCKET_IFNAME (an
+// XIRANG_HANDSHAKE_TIMEOUT_MS (> 0), XIRANG_SEND_THREAD_BYTES (>= 0), XIRANG_AUTH_KEY_FILE (read) and XIRANG_SOCKET_IFNAME (an
 // address on it can be bound). python/xirang/_backend.py calls it before the label exchange, so a
 // bad value on one rank fails every rank at once (its peers learn it from the exchange) instead
 // of failing that rank inside the constructor while its peers wait for it until the timeout.

@@ -364,6 +364,7 @@ BAD_ON_ONE_RANK = [
     ("XIRANG_STATS_CAPACITY", "abc", "XIRANG_STATS_CAPACITY='abc' is not an integer"),
     ("XIRANG_SHM_BYTES", "abc", "XIRANG_SHM_BYTES"),
     ("XIRANG_HANDSHAKE_TIMEOUT_MS", "x", "XIRANG_HANDSHAKE_TIMEOUT_MS"),
+    ("XIRANG_SEND_THREAD_BYTES", "lots", "XIRANG_SEND_THREAD_BYTES='lots' is not an integer"),
     ("XIRANG_AUTH_KEY_FILE", "/nonexistent/xirang.key", "XIRANG_AUTH_KEY_FILE"),
     ("XIRANG_SOCKET_IFNAME", "nosuchif0", "nosuchif0"),
 ]
