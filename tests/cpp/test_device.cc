@@ -28,6 +28,7 @@
 #include "core/planner.h"
 #include "core/reduce.h"
 #include "core/transport/nccl_link.h"
+#include "core/transport/staged_link.h"
 #include "collective_cases.h"
 #include "support.h"
 
@@ -83,29 +84,45 @@ struct DeviceGroup {
 
 using namespace xirang_test::cases;  // ctxFor, Env, fillInput, allCollectives (collective_cases.h)
 
-// Runs `body` on every rank of a host group and of a device group of n ranks; results[engine][rank].
-using Results = std::vector<std::vector<std::vector<uint8_t>>>;
-void runBoth(int n, const std::function<void(Env&)>& body, Results& host, Results& device) {
-  host.assign(n, {});
-  device.assign(n, {});
-  {
-    InprocGroup g(n);
-    std::vector<std::vector<std::unique_ptr<uint8_t[]>>> mem(n);
-    g.run([&](int r) {
-      Env e;
-      e.comm = g.comm(r);
-      e.rank = r;
-      e.n = n;
-      e.out = &host[r];
-      e.alloc = [&mem, r](size_t b) {
-        mem[r].emplace_back(new uint8_t[b + 1]());
-        return mem[r].back().get();
-      };
-      e.finish = [] {};
-      body(e);
-    });
+// n ranks, each with a stream, a StagedLink (pinned staging) over the in-process link and a
+// DeviceReducer on that stream: the device code without NCCL between the ranks.
+struct StagedGroup {
+  dv::FakeDevice dev;  // first member: destroyed last
+  InprocGroup host;
+  int n;
+  std::vector<dv::Stream> streams;
+  std::vector<std::unique_ptr<tp::StagedLink>> links;
+  std::vector<std::unique_ptr<xirang::algo::DeviceReducer>> reducers;
+
+  explicit StagedGroup(int size) : host(size), n(size), streams(size), links(size), reducers(size) {
+    for (int r = 0; r < n; ++r) {
+      if (dev.cuda().streamCreate(&streams[r]) != dv::kCudaSuccess) throw std::runtime_error("streamCreate");
+      links[r] = std::make_unique<tp::StagedLink>(dev.cuda(), streams[r], &host.hub.link(r));
+      reducers[r] = std::make_unique<xirang::algo::DeviceReducer>(dev.cuda(), dev.kernels(), streams[r]);
+    }
   }
-  DeviceGroup g(n);
+  ~StagedGroup() {
+    links.clear();
+    reducers.clear();
+    for (auto s : streams) (void)dev.cuda().streamDestroy(s);
+  }
+  Comm comm(int r, std::vector<int> ring = {}) {
+    Comm c = xirang_test::commOver(links[r].get(), r, n, std::move(ring));
+    c.reducer = reducers[r].get();
+    return c;
+  }
+  void run(const std::function<void(int)>& fn) {
+    xirang_test::runAborting(n, [&](int r) -> tp::Link& { return *links[r]; }, fn);
+  }
+};
+
+// Runs `body` on every rank of a device group G (DeviceGroup or StagedGroup) of n ranks, the
+// inputs in its fake device memory; results[rank].
+using Results = std::vector<std::vector<std::vector<uint8_t>>>;
+template <class G>
+void runDevice(int n, const std::function<void(Env&)>& body, Results& device) {
+  device.assign(n, {});
+  G g(n);
   std::vector<std::vector<void*>> mem(n);
   g.run([&](int r) {
     Env e;
@@ -126,6 +143,30 @@ void runBoth(int n, const std::function<void(Env&)>& body, Results& host, Result
   });
   for (auto& v : mem)
     for (void* p : v) (void)g.dev.cuda().free(p);
+}
+
+// Runs `body` on every rank of a host group and of a device group of n ranks; results[engine][rank].
+template <class G = DeviceGroup>
+void runBoth(int n, const std::function<void(Env&)>& body, Results& host, Results& device) {
+  host.assign(n, {});
+  {
+    InprocGroup g(n);
+    std::vector<std::vector<std::unique_ptr<uint8_t[]>>> mem(n);
+    g.run([&](int r) {
+      Env e;
+      e.comm = g.comm(r);
+      e.rank = r;
+      e.n = n;
+      e.out = &host[r];
+      e.alloc = [&mem, r](size_t b) {
+        mem[r].emplace_back(new uint8_t[b + 1]());
+        return mem[r].back().get();
+      };
+      e.finish = [] {};
+      body(e);
+    });
+  }
+  runDevice<G>(n, body, device);
 }
 
 void requireSame(const Results& host, const Results& device) {
@@ -693,4 +734,144 @@ TEST_CASE("device: the direct BF16 error-feedback allreduce conserves the sum an
   uint64_t total = 0;
   for (uint64_t b : bytes) total += b;
   CHECK(total == static_cast<uint64_t>(2 * (n - 1) * count * 2));
+}
+
+// ---------------------------------------------------------------- the staged link (no NCCL)
+
+TEST_CASE("staged: every collective over StagedLink + DeviceReducer gives the in-process engine's bits, WS 1-6",
+          "[device][staged]") {
+  const int n = GENERATE(1, 2, 3, 4, 6);
+  CAPTURE(n);
+  Results host, device;
+  runBoth<StagedGroup>(n, allCollectives, host, device);
+  REQUIRE(!host[0].empty());
+  requireSame(host, device);
+}
+
+TEST_CASE("staged: only the wire format crosses to the host: the bf16 error-feedback op moves half the fp32 bytes",
+          "[device][staged]") {
+  const int n = 3;
+  const int64_t count = 30001;
+  StagedGroup g(n);
+  std::vector<uint64_t> fp32_bytes(n), ef_bytes(n), host_bytes(n);
+  g.run([&](int r) {
+    std::vector<void*> mem;
+    auto alloc = [&](size_t b) {
+      void* p = nullptr;
+      if (g.dev.cuda().malloc(&p, b) != dv::kCudaSuccess) throw std::runtime_error("fake cudaMalloc");
+      std::memset(p, 0, b);
+      mem.push_back(p);
+      return static_cast<float*>(p);
+    };
+    float* x = alloc(count * 4);
+    float* r_in = alloc(count * 4);
+    float* r_out = alloc(count * 4);
+    for (int64_t i = 0; i < count; ++i) x[i] = static_cast<float>((i % 101) - 50) * 0.37f * (r + 1);
+    Comm c = g.comm(r);
+    c.small_bytes = 0;
+    c.algo = Comm::Algo::Ring;
+    const uint64_t h0 = g.host.hub.link(r).payloadBytesSent(), s0 = g.links[r]->payloadBytesSent();
+    xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, count, 1), x, count,
+                        DType::Float32, ReduceOp::Sum);
+    g.links[r]->synchronize(after(milliseconds(20000)));
+    const uint64_t s1 = g.links[r]->payloadBytesSent();
+    xirang::collectivesFor(c).allreduceEF(c, ctxFor(tp::OpKind::AllreduceEF, DType::Float32, ReduceOp::Avg, count, 2),
+                                          x, r_in, r_out, count, xirang::codec::Wire::BF16);
+    g.links[r]->synchronize(after(milliseconds(20000)));
+    fp32_bytes[r] = s1 - s0;
+    ef_bytes[r] = g.links[r]->payloadBytesSent() - s1;
+    host_bytes[r] = g.host.hub.link(r).payloadBytesSent() - h0;
+    for (void* p : mem) (void)g.dev.cuda().free(p);
+  });
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r, fp32_bytes[r], ef_bytes[r], host_bytes[r]);
+    CHECK(host_bytes[r] == fp32_bytes[r] + ef_bytes[r]);  // what crossed is what the algorithm sent
+    CHECK(fp32_bytes[r] > 0);
+    // Both rings send 2(N-1)/N of the message per rank, chunk by chunk: 4 vs 2 bytes an element.
+    CHECK(ef_bytes[r] * 2 == fp32_bytes[r]);
+  }
+}
+
+TEST_CASE("staged: a rank aborting mid-op makes the others fail, not hang", "[device][staged]") {
+  const int n = 3;
+  StagedGroup g(n);
+  std::vector<std::string> what(n);
+  const auto t0 = xirang_test::Clock::now();
+  runRanks(n, [&](int r) {
+    const int64_t count = 50000;
+    void* p = nullptr;
+    g.dev.cuda().malloc(&p, count * 4);
+    std::memset(p, 0, count * 4);
+    AbortAt link(*g.links[r], r == 1 ? 3 : -1);  // rank 1 dies at its third ring step
+    Comm c = xirang_test::commOver(&link, r, n, {});
+    c.reducer = g.reducers[r].get();
+    c.small_bytes = 0;
+    c.segment_bytes = 4096;
+    try {
+      xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, count, 1), p, count,
+                          DType::Float32, ReduceOp::Sum);
+      g.links[r]->synchronize(after(milliseconds(10000)));
+      what[r] = "(no error)";
+    } catch (const std::exception& e) {
+      what[r] = e.what();
+      g.links[r]->abort(std::string("rank failed: ") + e.what());  // as the backend's poison does
+    }
+    (void)g.dev.cuda().free(p);
+  });
+  CHECK(xirang_test::Clock::now() - t0 < milliseconds(8000));
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r, what[r]);
+    CHECK(what[r] != "(no error)");
+    if (r != 1) CHECK(what[r].find("timed out") == std::string::npos);  // told, not timed out
+  }
+  CHECK((what[0].find("rank 1") != std::string::npos || what[2].find("rank 1") != std::string::npos));
+}
+
+TEST_CASE("staged: ranks disagreeing about the operation get the host link's MismatchError", "[device][staged]") {
+  StagedGroup g(2);
+  std::vector<std::string> what(2);
+  runRanks(2, [&](int r) {
+    void* p = nullptr;
+    g.dev.cuda().malloc(&p, 4000);
+    try {
+      Comm c = g.comm(r);
+      const int64_t count = r == 0 ? 100 : 99;
+      xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, count, 1, 5000), p, count,
+                          DType::Float32, ReduceOp::Sum);
+      g.links[r]->synchronize(after(milliseconds(5000)));
+      what[r] = "(no error)";
+    } catch (const tp::MismatchError& e) {
+      what[r] = e.what();
+    } catch (const std::exception& e) {
+      what[r] = std::string("other: ") + e.what();
+    }
+    (void)g.dev.cuda().free(p);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r, what[r]);
+    CHECK(what[r].find("element count mismatch") != std::string::npos);
+  }
+}
+
+TEST_CASE("staged: an interrupt ends a wait for the stream at once", "[device][staged]") {
+  StagedGroup g(1);
+  std::atomic<bool> release{false};
+  g.dev.enqueueHostWork(g.streams[0], [&] {  // a kernel that runs until released
+    while (!release.load()) std::this_thread::sleep_for(milliseconds(1));
+  });
+  std::thread t([&] {
+    std::this_thread::sleep_for(milliseconds(100));
+    g.links[0]->interrupt("the group was poisoned");
+  });
+  const auto t0 = xirang_test::Clock::now();
+  std::string what;
+  try {
+    g.links[0]->synchronize(after(milliseconds(10000)));
+  } catch (const tp::TransportError& e) {
+    what = e.what();
+  }
+  t.join();
+  release = true;
+  CHECK(what == "the group was poisoned");
+  CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));
 }

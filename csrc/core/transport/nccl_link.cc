@@ -1,6 +1,8 @@
 // The NCCL link: see nccl_link.h.
 #include "core/transport/nccl_link.h"
 
+#include "core/device/backoff.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -13,24 +15,7 @@ namespace dv = xirang::device;
 
 namespace {
 
-// Polling: spin briefly (a GPU round trip is microseconds), then sleep up to 200 us per poll so
-// that a waiting host thread leaves the CPU to the work it waits for.
-class Backoff {
- public:
-  void pause() {
-    if (n_ < 64) {
-      ++n_;
-      std::this_thread::yield();
-      return;
-    }
-    us_ = std::min(us_ * 2, 200);
-    std::this_thread::sleep_for(std::chrono::microseconds(us_));
-  }
-
- private:
-  int n_ = 0;
-  int us_ = 1;
-};
+using dv::Backoff;
 
 std::string ncclWhat(dv::NcclApi& nccl, dv::NcclComm comm, int result) {
   std::string s = std::string("NCCL error ") + std::to_string(result) + " (" + nccl.errorString(result) + ")";
