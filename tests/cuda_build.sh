@@ -155,7 +155,7 @@ EOF
 }
 nccl_case "missing library" "/nonexistent/libnccl.so.2" XIRANG_CUDA_TRANSPORT=nccl XIRANG_NCCL_LIBRARY=/nonexistent/libnccl.so.2
 nccl_case "elastic" "does not support elastic mode" XIRANG_CUDA_TRANSPORT=nccl XIRANG_ELASTIC=1
-nccl_case "unknown value" "must be auto, host or nccl" XIRANG_CUDA_TRANSPORT=gpu
+nccl_case "unknown value" "must be auto, host, mirror or nccl" XIRANG_CUDA_TRANSPORT=gpu
 nccl_case "wheel's library" ok XIRANG_CUDA_TRANSPORT=nccl
 pass "XIRANG_CUDA_TRANSPORT=nccl at group creation: clear errors (missing library, elastic, unknown value); loads the wheel's NCCL"
 

@@ -32,7 +32,7 @@ void DeviceEngines::configure(const EngineSetup& setup) {
 std::shared_ptr<OpStage> DeviceEngines::stageFor(const std::vector<at::Tensor>& tensors, bool device_link) {
   if (cuda_)
     for (const auto& t : tensors)
-      if (t.defined() && t.is_cuda()) return cuda_->stage(device_link);
+      if (t.defined() && t.is_cuda()) return cuda_->stage(device_link, tensors);
   return hostStage();
 }
 

@@ -8,10 +8,14 @@
 //   host             (host_engine.h) CPU tensors: the bound tensor is the tensor itself and the
 //                    algorithm runs on it over the group's Comm (core/collectives over TCP or
 //                    shared memory).
-//   host-staged CUDA (cuda/cuda_stage.h, XIRANG_WITH_CUDA builds) CUDA tensors: the bound tensor
-//                    is a pinned host mirror, the host engine's algorithm runs on the mirrors
-//                    between copyIn() and copyOut() on a side stream, and the Work's outputs and
-//                    Future are the user's device tensors.
+//   host-staged CUDA (cuda/cuda_stage.h, XIRANG_WITH_CUDA builds) CUDA tensors. Staged: the bound
+//                    tensor is the user's own and the algorithm runs over a device Comm whose link
+//                    (transport/staged_link.h) stages only the bytes sent through pinned host
+//                    memory, with the device reducer's kernels. Mirror (where ranks share host
+//                    memory, elastic groups, point-to-point, XIRANG_CUDA_TRANSPORT=mirror): the
+//                    bound tensor is a pinned host mirror, the host engine's algorithm runs on the
+//                    mirrors between copyIn() and copyOut() on a side stream, and the Work's
+//                    outputs and Future are the user's device tensors.
 //   NCCL             (cuda/cuda_stage.h, XIRANG_CUDA_TRANSPORT=nccl) CUDA tensors: the bound
 //                    tensor is the user's own; the same algorithm runs over the engine's device
 //                    Comm (transport/nccl_link.h + algorithms/device_reducer.h) with the side
@@ -92,7 +96,8 @@ class DeviceEngine {
   virtual ~DeviceEngine() = default;
   // A new op's stage (caller's thread). Throws c10::Error when the engine cannot run ops as
   // configured (e.g. XIRANG_CUDA_TRANSPORT=nccl without a usable NCCL library).
-  virtual std::shared_ptr<OpStage> stage(bool device_link) = 0;
+  // `tensors`: the op's (stageFor's argument), from which an engine may pick how to run it.
+  virtual std::shared_ptr<OpStage> stage(bool device_link, const std::vector<at::Tensor>& tensors) = 0;
   // Any thread: ends the engine's own communication at once (the group was poisoned or aborted:
   // a wait on the NCCL link fails now instead of at its deadline); later ops on it fail.
   virtual void abort(const std::string& why) { (void)why; }
@@ -105,6 +110,9 @@ struct EngineSetup {
   std::string group_name;
   int rank = 0, size = 1;
   bool elastic = false;
+  // Whether this rank's host Comm moves bytes through shared memory now (same-host peers in its
+  // domain); unset: never. Called on the caller's thread when an op is staged.
+  std::function<bool()> host_shm;
 };
 
 // The engines of one process group.

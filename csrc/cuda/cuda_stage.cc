@@ -5,6 +5,7 @@
 #include "core/algorithms/device_reducer.h"
 #include "core/env.h"
 #include "core/transport/nccl_link.h"
+#include "core/transport/staged_link.h"
 #include "cuda/cuda_api.h"
 #include "cuda/nccl_api.h"
 
@@ -31,8 +32,9 @@ namespace {
 Transport transportSetting(int rank) {
   const std::string t = env::get("XIRANG_CUDA_TRANSPORT");  // declared in core/env.cc
   if (t == "auto" || t == "host") return Transport::Host;
+  if (t == "mirror") return Transport::Mirror;
   if (t == "nccl") return Transport::Nccl;
-  TORCH_CHECK(false, rankPrefix(rank), "XIRANG_CUDA_TRANSPORT must be auto, host or nccl, got '", t, "'");
+  TORCH_CHECK(false, rankPrefix(rank), "XIRANG_CUDA_TRANSPORT must be auto, host, mirror or nccl, got '", t, "'");
 }
 }  // namespace
 
@@ -188,50 +190,64 @@ bool Stage::query() {
   return ev_->done.query();
 }
 
-// ---------------------------------------------------------------- the NCCL engine
+// ---------------------------------------------------------------- the device-link engines
 
-// One group's NCCL device, stream, communicator and what runs over it. The device and stream
-// are fixed by the first bind (caller's thread), the link made by the first op (comm thread).
-struct NcclDevice {
-  explicit NcclDevice(const EngineSetup& s) : setup(s) {}
-  ~NcclDevice();
-  NcclDevice(const NcclDevice&) = delete;
-  NcclDevice& operator=(const NcclDevice&) = delete;
+// One group's device, stream, link and reducer for an engine that runs the algorithms on the
+// tensors themselves. The device and stream are fixed by the first bind (caller's thread), the
+// link made by the first op (comm thread).
+struct LinkDevice {
+  LinkDevice(const EngineSetup& s, std::string transport) : setup(s), transport(std::move(transport)) {}
+  virtual ~LinkDevice();
+  LinkDevice(const LinkDevice&) = delete;
+  LinkDevice& operator=(const LinkDevice&) = delete;
 
   // The engine's stream on `d`, created on the first call; c10::Error when the group already
   // runs on another device.
   c10::cuda::CUDAStream streamFor(c10::Device d);
-  // The link, made on the first call (collective: every rank's first NCCL op); throws once
-  // interrupted.
-  transport::NcclLink& linkFor(const Comm& host, transport::Deadline deadline);
-  // Any thread: a running or later wait of the link fails at once (NcclLink::interrupt; only
-  // the comm thread calls into NCCL, so ncclCommAbort never frees a communicator under it).
+  // Whether an op on `d` can run here: no device fixed yet, or `d` itself.
+  bool accepts(c10::Device d);
+  // Comm thread: the device Comm of an op (the link made on the first call; throws once
+  // interrupted).
+  const Comm& comm(const Comm& host, const OpCtx& ctx);
+  // Comm thread, after the op's body is enqueued: waits for the stream under the op's deadline.
+  virtual void synchronize(transport::Deadline deadline) = 0;
+  // Comm thread: the op's body failed with work enqueued.
+  virtual void failed() {}
+  // Any thread: a running or later wait of the link fails at once.
   void interrupt(const std::string& why);
 
   const EngineSetup setup;
+  const std::string transport;  // "XIRANG_CUDA_TRANSPORT=nccl", ...: for messages
   std::mutex mu;  // device, stream, link, why
   c10::Device device{c10::kCPU};
   cudaStream_t raw = nullptr;  // never destroyed: tensors recorded on it may be freed after the group
   std::optional<c10::cuda::CUDAStream> stream;
-  std::unique_ptr<transport::NcclLink> link;
+  std::unique_ptr<transport::Link> link;
   std::unique_ptr<algo::DeviceReducer> reducer;
-  std::string why;  // aborted: every later op fails with it
+  std::string why;  // interrupted: every later op fails with it
   // Comm thread only: the device Comm handed to the op's body, and its scratch.
   std::shared_ptr<Scratch> scratch = std::make_shared<Scratch>();
-  Comm comm;
+  Comm dev_comm;
+
+ protected:
+  // Comm thread, first op: the link and reducer (set under mu).
+  virtual void makeLink(const Comm& host, transport::Deadline deadline) = 0;
+  // Comm thread, every op: the link before the body runs over it.
+  virtual void prepare(const Comm& host) { (void)host; }
+  void install(std::unique_ptr<transport::Link> l);
 };
 
-NcclDevice::~NcclDevice() {
+LinkDevice::~LinkDevice() {
   // The stream stays (as torch's pool streams do): the caching allocator records events on it
   // when a tensor the engine used is freed later. No CUDAGuard (it may throw at exit): the
   // stream-ordered frees and the link's calls name their stream.
-  comm = Comm();
+  dev_comm = Comm();
   scratch.reset();  // stream-ordered frees on the stream
   reducer.reset();
-  link.reset();  // destroys the communicator when the stream is idle, else aborts it
+  link.reset();
 }
 
-c10::cuda::CUDAStream NcclDevice::streamFor(c10::Device d) {
+c10::cuda::CUDAStream LinkDevice::streamFor(c10::Device d) {
   std::lock_guard<std::mutex> g(mu);
   if (!stream) {
     c10::cuda::CUDAGuard guard(d);
@@ -239,44 +255,20 @@ c10::cuda::CUDAStream NcclDevice::streamFor(c10::Device d) {
     device = d;
     stream = c10::cuda::getStreamFromExternal(raw, d.index());
   }
-  TORCH_CHECK(d == device, rankPrefix(setup.rank), "XIRANG_CUDA_TRANSPORT=nccl: group '", setup.group_name,
-              "' runs over NCCL on ", device, ", got tensors on ", d,
-              " (one device per process group: make a group per device, or use XIRANG_CUDA_TRANSPORT=host)");
+  TORCH_CHECK(d == device, rankPrefix(setup.rank), transport, ": group '", setup.group_name, "' runs on ", device,
+              ", got tensors on ", d,
+              " (one device per process group: make a group per device, or use XIRANG_CUDA_TRANSPORT=mirror)");
   return *stream;
 }
 
-transport::NcclLink& NcclDevice::linkFor(const Comm& host, transport::Deadline deadline) {
-  {
-    std::lock_guard<std::mutex> g(mu);
-    TORCH_CHECK(why.empty(), why);
-    if (link) return *link;
-  }
-  c10::cuda::CUDAGuard guard(device);
-  device::NcclApi& nccl = cuda::ncclApi();  // loadable: the Engine checked it at group creation
-  const std::string key = setup.key_ns + "/nccl/" + setup.group_name + "/epoch0";
-  const int rank = host.rank, size = host.size();
-  device::NcclUniqueId id = transport::shareNcclUniqueId(nccl, *setup.store, key, rank, deadline);
-  device::NcclComm c = transport::initNcclComm(nccl, id, rank, size, deadline, setup.group_name);
-  auto s = reinterpret_cast<device::Stream>(raw);
-  std::unique_ptr<transport::NcclLink> l;
-  try {
-    l = std::make_unique<transport::NcclLink>(nccl, cuda::runtimeApi(), c, rank, size, s);
-  } catch (...) {
-    (void)nccl.commAbort(c);  // the peers' communicator must not wait for this one
-    throw;
-  }
-  // A peer that failed elsewhere writes the group's abort note (Tcp::abort); a rank blocked in
-  // NCCL reads it here (every 200 ms of a wait), as NCCL tells only the ranks a failed call joins.
-  l->setStopCheck(
-      [store = setup.store, key = setup.key_ns + "/abort"]() -> std::string {
-        try {
-          if (store->check(key)) return store->get(key, Clock::now() + std::chrono::seconds(1));
-        } catch (const std::exception&) {  // an unreachable store: the deadline still bounds the wait
-        }
-        return {};
-      },
-      std::chrono::milliseconds(200));
-  auto r = std::make_unique<algo::DeviceReducer>(cuda::runtimeApi(), cuda::kernelApi(), s);
+bool LinkDevice::accepts(c10::Device d) {
+  std::lock_guard<std::mutex> g(mu);
+  return !stream || d == device;
+}
+
+void LinkDevice::install(std::unique_ptr<transport::Link> l) {
+  auto r = std::make_unique<algo::DeviceReducer>(cuda::runtimeApi(), cuda::kernelApi(),
+                                                 reinterpret_cast<device::Stream>(raw));
   std::string aborted;
   {
     std::lock_guard<std::mutex> g(mu);
@@ -285,17 +277,32 @@ transport::NcclLink& NcclDevice::linkFor(const Comm& host, transport::Deadline d
     aborted = why;
   }
   if (!aborted.empty()) {
-    link->abort(aborted);  // the comm thread: no NCCL call of it runs now
+    link->abort(aborted);  // the comm thread: no call of the link runs now
     TORCH_CHECK(false, aborted);
   }
-  env::log(env::Level::Info, rank, "group '" + setup.group_name + "': NCCL communicator of " + std::to_string(size) +
-                                       " ranks on " + device.str() + " (NCCL " + cuda::ncclVersionString() + ", " +
-                                       cuda::ncclLibraryPath() + ")");
-  return *link;
 }
 
-void NcclDevice::interrupt(const std::string& w) {
-  transport::NcclLink* l = nullptr;
+const Comm& LinkDevice::comm(const Comm& host, const OpCtx& ctx) {
+  {
+    std::lock_guard<std::mutex> g(mu);
+    TORCH_CHECK(why.empty(), why);
+  }
+  if (!link) {
+    c10::cuda::CUDAGuard guard(device);
+    makeLink(host, ctx.deadline);
+  }
+  prepare(host);
+  Comm& c = dev_comm;  // comm thread only
+  c = host;
+  c.link = link.get();
+  c.reducer = reducer.get();
+  c.shm = nullptr;
+  c.scratch = scratch;
+  return c;
+}
+
+void LinkDevice::interrupt(const std::string& w) {
+  transport::Link* l = nullptr;
   {
     std::lock_guard<std::mutex> g(mu);
     if (why.empty()) why = w;
@@ -304,16 +311,76 @@ void NcclDevice::interrupt(const std::string& w) {
   if (l) l->interrupt(w);
 }
 
-NcclStage::NcclStage(Streams& streams, std::shared_ptr<NcclDevice> dev) : Stage(streams), dev_(std::move(dev)) {}
-NcclStage::~NcclStage() = default;
+// The NCCL engine's: the group's own communicator (see cuda_stage.h).
+struct NcclDevice : LinkDevice {
+  explicit NcclDevice(const EngineSetup& s) : LinkDevice(s, "XIRANG_CUDA_TRANSPORT=nccl") {}
+  transport::NcclLink& nccl() { return static_cast<transport::NcclLink&>(*link); }
+  void synchronize(transport::Deadline deadline) override { nccl().synchronize(deadline); }
+  void failed() override {
+    // Sends and receives of this op may be enqueued with no peer to match them: end them (the
+    // group is poisoned by this error anyway). The comm thread, between NCCL calls, is the one
+    // place that aborts the communicator.
+    if (link) link->abort(rankPrefix(setup.rank) + "an NCCL operation failed");
+  }
 
-c10::cuda::CUDAStream NcclStage::sideStream(c10::Device device) { return dev_->streamFor(device); }
+ protected:
+  void makeLink(const Comm& host, transport::Deadline deadline) override {
+    device::NcclApi& nccl = cuda::ncclApi();  // loadable: the Engine checked it at group creation
+    const std::string key = setup.key_ns + "/nccl/" + setup.group_name + "/epoch0";
+    const int rank = host.rank, size = host.size();
+    device::NcclUniqueId id = transport::shareNcclUniqueId(nccl, *setup.store, key, rank, deadline);
+    device::NcclComm c = transport::initNcclComm(nccl, id, rank, size, deadline, setup.group_name);
+    auto s = reinterpret_cast<device::Stream>(raw);
+    std::unique_ptr<transport::NcclLink> l;
+    try {
+      l = std::make_unique<transport::NcclLink>(nccl, cuda::runtimeApi(), c, rank, size, s);
+    } catch (...) {
+      (void)nccl.commAbort(c);  // the peers' communicator must not wait for this one
+      throw;
+    }
+    // A peer that failed elsewhere writes the group's abort note (Tcp::abort); a rank blocked in
+    // NCCL reads it here (every 200 ms of a wait), as NCCL tells only the ranks a failed call joins.
+    l->setStopCheck(
+        [store = setup.store, key = setup.key_ns + "/abort"]() -> std::string {
+          try {
+            if (store->check(key)) return store->get(key, Clock::now() + std::chrono::seconds(1));
+          } catch (const std::exception&) {  // an unreachable store: the deadline still bounds the wait
+          }
+          return {};
+        },
+        std::chrono::milliseconds(200));
+    install(std::move(l));
+    env::log(env::Level::Info, rank, "group '" + setup.group_name + "': NCCL communicator of " + std::to_string(size) +
+                                         " ranks on " + device.str() + " (NCCL " + cuda::ncclVersionString() + ", " +
+                                         cuda::ncclLibraryPath() + ")");
+  }
+};
 
-at::Tensor NcclStage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
+// The staged engine's: the group's TCP link under a StagedLink (see cuda_stage.h).
+struct StagedDevice : LinkDevice {
+  explicit StagedDevice(const EngineSetup& s) : LinkDevice(s, "XIRANG_CUDA_TRANSPORT=host") {}
+  transport::StagedLink& staged() { return static_cast<transport::StagedLink&>(*link); }
+  void synchronize(transport::Deadline deadline) override { staged().synchronize(deadline); }
+
+ protected:
+  void makeLink(const Comm& host, transport::Deadline deadline) override {
+    (void)deadline;
+    install(std::make_unique<transport::StagedLink>(cuda::runtimeApi(), reinterpret_cast<device::Stream>(raw),
+                                                    host.link));
+  }
+  void prepare(const Comm& host) override { staged().setHost(host.link); }
+};
+
+DeviceStage::DeviceStage(Streams& streams, std::shared_ptr<LinkDevice> dev) : Stage(streams), dev_(std::move(dev)) {}
+DeviceStage::~DeviceStage() = default;
+
+c10::cuda::CUDAStream DeviceStage::sideStream(c10::Device device) { return dev_->streamFor(device); }
+
+at::Tensor DeviceStage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
   if (!t.defined()) return t;
   if (!t.is_cuda()) {
-    TORCH_CHECK(t.numel() == 0, "xirang: XIRANG_CUDA_TRANSPORT=nccl: every tensor of an operation on CUDA tensors must be "
-                "on that GPU, got a ", t.device(), " tensor of ", t.numel(), " elements (use XIRANG_CUDA_TRANSPORT=host "
+    TORCH_CHECK(t.numel() == 0, "xirang: ", dev_->transport, ": every tensor of an operation on CUDA tensors must be "
+                "on that GPU, got a ", t.device(), " tensor of ", t.numel(), " elements (use XIRANG_CUDA_TRANSPORT=mirror "
                 "to mix devices)");
     return t;
   }
@@ -322,21 +389,15 @@ at::Tensor NcclStage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
   return t;
 }
 
-const Comm& NcclStage::comm(const Comm& host, const OpCtx& ctx) {
+const Comm& DeviceStage::comm(const Comm& host, const OpCtx& ctx) {
   if (entries_.empty()) return host;  // only empty CPU tensors: nothing to move
   deadline_ = ctx.deadline;
-  transport::NcclLink& link = dev_->linkFor(host, ctx.deadline);
-  Comm& c = dev_->comm;  // comm thread only
-  c = host;
-  c.link = &link;
-  c.reducer = dev_->reducer.get();
-  c.shm = nullptr;
-  c.scratch = dev_->scratch;
+  const Comm& c = dev_->comm(host, ctx);
   linked_ = true;
   return c;
 }
 
-void NcclStage::run(const std::function<void()>& body) {
+void DeviceStage::run(const std::function<void()>& body) {
   // Called only when copies(): at least one CUDA tensor is bound, so device_ and ev_ are set.
   c10::cuda::CUDAGuard dg(device_);
   ev_->ready.block(ev_->side);
@@ -346,22 +407,22 @@ void NcclStage::run(const std::function<void()>& body) {
       body();
     } catch (...) {
       keepAlive();  // also when the body failed with work still enqueued
-      // Sends and receives of this op may be enqueued with no peer to match them: end them (the
-      // group is poisoned by this error anyway). The comm thread, between NCCL calls, is the one
-      // place that aborts the communicator.
-      if (linked_) dev_->link->abort(rankPrefix(dev_->setup.rank) + "an NCCL operation failed");
+      if (linked_) dev_->failed();
       throw;
     }
     keepAlive();
     ev_->done.record(ev_->side);
     ev_->done_recorded = true;
   }
-  if (linked_) dev_->link->synchronize(deadline_);  // made by comm(), kept for the group
+  if (linked_) dev_->synchronize(deadline_);  // made by comm(), kept for the group
   else ev_->side.synchronize();
 }
 
 Engine::Engine(const EngineSetup& setup)
     : setup_(setup), transport_(transportSetting(setup.rank)), nccl_(std::make_shared<NcclDevice>(setup)) {
+  // Elastic mode keeps the mirrors: a rebuilt ring replaces the host link under the device one,
+  // and its op retries restore their inputs on the host.
+  if (transport_ == Transport::Host && !setup_.elastic) staged_ = std::make_shared<StagedDevice>(setup);
   if (transport_ != Transport::Nccl) return;
   TORCH_CHECK(!setup_.elastic, rankPrefix(setup_.rank), "group '", setup_.group_name,
               "': XIRANG_CUDA_TRANSPORT=nccl does not support elastic mode (XIRANG_ELASTIC=1) yet: a rebuilt ring "
@@ -373,19 +434,39 @@ Engine::Engine(const EngineSetup& setup)
 
 Engine::~Engine() = default;
 
-std::shared_ptr<OpStage> Engine::stage(bool device_link) {
+bool Engine::stagedFits(const std::vector<at::Tensor>& tensors) const {
+  if (!staged_ || (setup_.host_shm && setup_.host_shm())) return false;
+  std::optional<c10::Device> dev;
+  for (const auto& t : tensors) {
+    if (!t.defined() || (!t.is_cuda() && t.numel() == 0)) continue;
+    if (!t.is_cuda() || t.layout() != at::kStrided || (dev && t.device() != *dev)) return false;
+    dev = t.device();
+  }
+  return dev && staged_->accepts(*dev);
+}
+
+std::shared_ptr<OpStage> Engine::stage(bool device_link, const std::vector<at::Tensor>& tensors) {
   std::call_once(said_, [&] {
-    env::log(env::Level::Info, setup_.rank,
-             "group '" + setup_.group_name + "': CUDA tensors run " +
-                 (transport_ == Transport::Nccl
-                      ? std::string("over NCCL (XIRANG_CUDA_TRANSPORT=nccl; point-to-point host-staged)")
-                      : std::string("host-staged: pinned host buffers and the TCP/shared-memory engine "
-                                    "(XIRANG_CUDA_TRANSPORT=nccl runs them over NCCL)")));
+    std::string how;
+    if (transport_ == Transport::Nccl)
+      how = "over NCCL (XIRANG_CUDA_TRANSPORT=nccl; point-to-point host-staged)";
+    else if (staged_)
+      how = "host-staged: the codec and reductions as kernels on the GPU, only the bytes sent through pinned host "
+            "buffers and TCP (pinned mirrors of whole tensors and the CPU engine where ranks share a host's memory "
+            "or for point-to-point; XIRANG_CUDA_TRANSPORT=nccl runs them over NCCL)";
+    else
+      how = "host-staged: pinned host mirrors and the TCP/shared-memory engine (XIRANG_CUDA_TRANSPORT=nccl runs "
+            "them over NCCL)";
+    env::log(env::Level::Info, setup_.rank, "group '" + setup_.group_name + "': CUDA tensors run " + how);
   });
-  if (transport_ == Transport::Nccl && device_link) return std::make_shared<NcclStage>(streams_, nccl_);
+  if (transport_ == Transport::Nccl && device_link) return std::make_shared<DeviceStage>(streams_, nccl_);
+  if (device_link && stagedFits(tensors)) return std::make_shared<DeviceStage>(streams_, staged_);
   return std::make_shared<Stage>(streams_);
 }
 
-void Engine::abort(const std::string& why) { nccl_->interrupt(why); }
+void Engine::abort(const std::string& why) {
+  nccl_->interrupt(why);
+  if (staged_) staged_->interrupt(why);
+}
 
 }  // namespace xirang::cudastage

@@ -1,9 +1,20 @@
 // The CUDA engines of ProcessGroupXirang (backend/device_engine.h; built only with
-// XIRANG_WITH_CUDA). XIRANG_CUDA_TRANSPORT picks one per op: "auto" (default) and "host" the
-// host-staged engine, "nccl" the NCCL engine; point-to-point is host-staged in every case.
+// XIRANG_WITH_CUDA). XIRANG_CUDA_TRANSPORT picks them, read once per group: "auto" (default) and
+// "host" the host-staged engines, "mirror" the mirror engine only, "nccl" the NCCL engine;
+// point-to-point takes the mirror engine in every case.
 //
-// Host-staged: one operation on CUDA tensors runs the host engine's algorithm on pinned host
-// mirrors:
+// Staged (auto / host, where it fits): the core's algorithms run on the user's tensors
+// themselves with the device reducer's kernels (algorithms/device_reducer.h) on the engine's
+// stream, over a transport::StagedLink on the group's TCP link: only the bytes an algorithm
+// sends cross to the host, through pinned staging buffers (the wire format's: bf16 codes for the
+// hook's op, half of fp32 mirrors, and no CPU codec). It fits an op whose tensors are all on one
+// CUDA device (the group's first such op fixes it), in a group that is not elastic and whose
+// ranks do not share this rank's host memory (no shared-memory domain: there the bytes go
+// through host memory anyway, and the mirror engine's shared-memory algorithms move them);
+// other ops take the mirror engine. Same stage discipline as NCCL below.
+//
+// Mirror (host-staged with whole-tensor mirrors): one operation on CUDA tensors runs the host
+// engine's algorithm on pinned host mirrors:
 //   caller's thread  Stage::bind() makes a pinned host mirror per CUDA tensor (CPU tensors pass
 //                    through); Stage::queued() records an event on the caller's current
 //                    stream (where DDP fills its buckets) - the op queue calls it;
@@ -15,18 +26,19 @@
 //   caller's wait()  block(): the caller's current stream waits on the done event; the CPU
 //                    does not wait for the copies.
 //
-// NCCL (NcclStage): the same algorithm on the user's tensors themselves, over the engine's
-// device Comm (transport/nccl_link.h over the dlopen'ed libnccl.so.2, algorithms/
-// device_reducer.h's kernels), every kernel, copy and NCCL call on the side stream:
+// NCCL and staged (DeviceStage over a LinkDevice): the same algorithm on the user's tensors
+// themselves, over the engine's device Comm (NCCL: transport/nccl_link.h over the dlopen'ed
+// libnccl.so.2; staged: transport/staged_link.h), every kernel, copy and transfer on the side
+// stream:
 //   caller's thread  bind() returns the tensor itself; queued() records the ready event;
 //   comm thread      run(): the side stream waits on the ready event; the body runs with the
 //                    side stream current (torch's own copies in host_engine.cc go there too);
-//                    recordStream of every tensor, the done event; then NcclLink::synchronize
-//                    under the op's deadline, so an NCCL error or a hang ends this op with an
+//                    recordStream of every tensor, the done event; then the link's synchronize
+//                    under the op's deadline, so an error or a hang ends this op with an
 //                    error (no watchdog thread: the comm thread waits for the device, the
 //                    caller's CPU does not);
 //   caller's wait()  as above: its stream waits on the done event.
-// The communicator: one per group, made at the group's first NCCL op (rank 0's unique id under
+// The NCCL communicator: one per group, made at the group's first NCCL op (rank 0's unique id under
 // the store key <creation namespace>/nccl/<group>/epoch0; non-blocking init, bounded by that
 // op's deadline), on the device of that op's tensors; its ranks are the group's. Its stream is
 // the engine's own (not a pool stream shared with the host-staged point-to-point ops or other
@@ -35,12 +47,13 @@
 // the comm thread then aborts the communicator (only it calls into NCCL). A rank blocked in NCCL
 // on a peer that failed elsewhere learns it from the group's store abort note, polled every
 // 200 ms of a wait (NcclLink::setStopCheck).
-// Not yet: elastic mode (a rebuilt ring needs a new communicator: refused with a clear error),
-// several devices per group, and "auto" choosing NCCL (it stays host-staged until the GPU script
-// tests/gpu/run_checks.sh has run this engine on a GPU).
+// Not yet: NCCL in elastic mode (a rebuilt ring needs a new communicator: refused with a clear
+// error), several devices per group over NCCL, and "auto" choosing NCCL (it stays host-staged until
+// the GPU script tests/gpu/run_checks.sh has run this engine on a GPU).
 //
-// Side streams: one per device and process group (c10::cuda::getStreamFromPool), made on first
-// use. Nothing here makes a CUDA call before the first CUDA tensor is seen.
+// Side streams: the mirror engine's, one per device and process group (c10::cuda::getStreamFromPool),
+// made on first use; the device-link engines', one of their own each. Nothing here makes a CUDA
+// call before the first CUDA tensor is seen.
 #pragma once
 
 #include <functional>
@@ -58,7 +71,7 @@
 namespace xirang::cudastage {
 
 // XIRANG_CUDA_TRANSPORT, read once per group by the Engine.
-enum class Transport { Host, Nccl };
+enum class Transport { Host, Mirror, Nccl };
 
 struct StreamsImpl;
 // The side streams of one process group.
@@ -121,16 +134,17 @@ class Stage : public OpStage {
   std::unique_ptr<Events> ev_;
 };
 
-struct NcclDevice;
-// The NCCL engine's stage (see the top of this file).
-class NcclStage : public Stage {
+struct LinkDevice;
+// The stage of the engines that run the algorithms on the tensors themselves over a device link
+// (NCCL, staged: see the top of this file).
+class DeviceStage : public Stage {
  public:
-  NcclStage(Streams& streams, std::shared_ptr<NcclDevice> dev);
-  ~NcclStage() override;
+  DeviceStage(Streams& streams, std::shared_ptr<LinkDevice> dev);
+  ~DeviceStage() override;
 
   // t itself. A CPU tensor is accepted only when empty (the hook's placeholders): the device
   // link moves device memory (c10::Error naming the tensor's size otherwise). The first CUDA
-  // tensor fixes the group's NCCL device; a tensor on another device is a c10::Error here, on the
+  // tensor fixes the group's device; a tensor on another device is a c10::Error here, on the
   // caller's thread, before the op is queued.
   at::Tensor bind(const at::Tensor& t, bool copy_in, bool copy_out) override;
   bool bindsDevice() const override { return true; }
@@ -141,26 +155,32 @@ class NcclStage : public Stage {
   c10::cuda::CUDAStream sideStream(c10::Device device) override;
 
  private:
-  std::shared_ptr<NcclDevice> dev_;
+  std::shared_ptr<LinkDevice> dev_;
   transport::Deadline deadline_{};
   bool linked_ = false;  // comm() handed out the device Comm
 };
 
-// The engine: one group's side streams and NCCL communicator. XIRANG_CUDA_TRANSPORT is read
-// once, at group creation (ranks that disagreed would run different links and hang).
+struct NcclDevice;
+struct StagedDevice;
+// The engine: one group's side streams, NCCL communicator and staged link. XIRANG_CUDA_TRANSPORT
+// is read once, at group creation (ranks that disagreed about NCCL would run different links and
+// hang; the staged and mirror engines send the same frames over TCP and mix).
 class Engine : public DeviceEngine {
  public:
   // "nccl": the NCCL library must load and the group must not be elastic (c10::Error).
   explicit Engine(const EngineSetup& setup);
   ~Engine() override;
-  std::shared_ptr<OpStage> stage(bool device_link) override;
+  std::shared_ptr<OpStage> stage(bool device_link, const std::vector<at::Tensor>& tensors) override;
   void abort(const std::string& why) override;
 
  private:
+  // Whether an op on `tensors` takes the staged engine (see the top of this file).
+  bool stagedFits(const std::vector<at::Tensor>& tensors) const;
   EngineSetup setup_;
   Transport transport_;
   Streams streams_;
   std::shared_ptr<NcclDevice> nccl_;
+  std::shared_ptr<StagedDevice> staged_;  // null unless auto / host and not elastic
   std::once_flag said_;  // the INFO line naming the transport, once per group
 };
 

@@ -148,15 +148,16 @@ def _labels(C) -> tuple:
 def _shared_settings(C, opts, local: str, order: str, elastic: bool, heartbeat_s: float) -> dict:
     """The settings every rank of a group must share, as this rank resolved them: knob name (or
     the Options field and its knob) -> value. Compared across the ranks at creation, resolved so
-    that spellings of one setting agree ("64K" and "65536"; XIRANG_CUDA_TRANSPORT auto and host,
-    which auto is until the NCCL engine has run on a GPU). Not here: what may differ per host
+    that spellings of one setting agree ("64K" and "65536"; XIRANG_CUDA_TRANSPORT auto, host and
+    mirror: auto is host until the NCCL engine has run on a GPU, and the staged and mirror engines
+    send the same frames over TCP). Not here: what may differ per host
     (XIRANG_SHM_BYTES: the ranks of one host use the value of the one that creates their segment)
     or per rank."""
     algorithm = opts.algorithm if opts.algorithm != "auto" else C.env_get("XIRANG_ALGO")
     cuda = C.env_get("XIRANG_CUDA_TRANSPORT")
     shared = {
         "XIRANG_TRANSPORT_LOCAL": local,
-        "XIRANG_CUDA_TRANSPORT": "host" if cuda == "auto" else cuda,
+        "XIRANG_CUDA_TRANSPORT": "host" if cuda in ("auto", "mirror") else cuda,
         "algorithm (Options.algorithm / XIRANG_ALGO)": algorithm,
         "ring order (Options.ring_order / XIRANG_RING_ORDER)": order,
         "XIRANG_SEGMENT_BYTES": C.env_int("XIRANG_SEGMENT_BYTES"),

@@ -1,5 +1,7 @@
-"""GPU check: 4 ranks sharing GPU 0 through xirang's host-staged CUDA transport, or (with
-XIRANG_CUDA_TRANSPORT=nccl, WORLD 1: NCCL refuses two ranks on one GPU) the NCCL engine.
+"""GPU check: 4 ranks sharing GPU 0 through xirang's host-staged CUDA transport (the mirror engine,
+as the ranks share a host's memory; with XIRANG_TRANSPORT_LOCAL=tcp the staged engine: kernels on
+the GPU over a StagedLink), or (with XIRANG_CUDA_TRANSPORT=nccl, WORLD 1: NCCL refuses two ranks
+on one GPU) the NCCL engine.
 
     python tests/gpu/check_collectives.py OUT_DIR [WORLD]
 
@@ -158,7 +160,8 @@ def main():
     for p in procs:
         p.join(30)
     ok = all("error" not in res and all(res.values()) for res in got.values()) and len(got) == world
-    name = "collectives-nccl.json" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl" else "collectives.json"
+    name = ("collectives-nccl.json" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl"
+            else "collectives-staged.json" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "collectives.json")
     with open(os.path.join(out, name), "w") as f:
         json.dump({"ok": ok, "ranks": got}, f, indent=1)
     for r in sorted(got):

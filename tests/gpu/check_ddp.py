@@ -6,7 +6,10 @@ Trains the same MLP from the same seed twice: DDP over gloo with fp32 allreduce 
 NCCL cannot put several ranks on one GPU), and DDP over xirang with xirang.register_comm_hook.
 Pass: final loss (mean of the last 5 steps) within 2% of the baseline's, and the replicas'
 parameters bitwise equal across ranks after training. Rank 0 writes OUT_DIR/ddp.json (ddp-nccl.json
-under XIRANG_CUDA_TRANSPORT=nccl: WORLD 1, the hook's device buffers through the NCCL engine).
+under XIRANG_CUDA_TRANSPORT=nccl: WORLD 1, the hook's device buffers through the NCCL engine;
+ddp-staged.json under XIRANG_TRANSPORT_LOCAL=tcp: the hook's layer groups, bf16 with error
+feedback, through the staged engine's kernels, where on one host's shared memory the hook takes
+its exact fp32 local average instead).
 """
 import datetime
 import json
@@ -106,7 +109,8 @@ def main():
                 print(f"FAIL rank {r}: {v['error']}")
     summary["ok"] = ok
     summary["ranks"] = got
-    name = "ddp-nccl.json" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl" else "ddp.json"
+    name = ("ddp-nccl.json" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl"
+            else "ddp-staged.json" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "ddp.json")
     with open(os.path.join(out, name), "w") as f:
         json.dump(summary, f, indent=1)
     sys.exit(0 if ok else 1)

@@ -21,7 +21,12 @@
 #   collectives_nccl  the same checks through the backend's NCCL engine (XIRANG_CUDA_TRANSPORT=nccl),
 #                one rank (NCCL refuses two ranks on one GPU): the device Comm, kernels on the side
 #                stream, the stream discipline and the communicator's creation through the store
+#   collectives_staged  the same 4 ranks with XIRANG_TRANSPORT_LOCAL=tcp (no shared-memory domain):
+#                the staged engine (device reducer kernels over a StagedLink on TCP) == CPU bitwise
 #   ddp          DDP + xirang hook, 50 steps: loss within 2% of gloo fp32, replicas bitwise equal
+#                (one host: the hook's exact fp32 local average)
+#   ddp_staged   the same with XIRANG_TRANSPORT_LOCAL=tcp: the hook's bf16 error-feedback groups
+#                through the staged engine
 #   ddp_nccl     the same on one rank through the NCCL engine, 20 steps (the hook's device buffers)
 #   fsdp         xirang.fsdp on CUDA, 2 ranks on GPU 0 (host-staged): the compressed reduce-scatter
 #                (fp32/bf16/int8 + error feedback) on a side stream behind a running producer kernel
@@ -116,10 +121,14 @@ step kernel_speed 40 "$PY" "$root/tests/gpu/check_kernels.py" "$OUT" speed
 grep -h "speed" "$OUT/kernel_speed.log" >> "$summary" 2>/dev/null
 step collectives 90 "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 4
 grep -h "FAIL" "$OUT/collectives.log" >> "$summary" 2>/dev/null
+step collectives_staged 60 env XIRANG_TRANSPORT_LOCAL=tcp XIRANG_DEBUG=INFO "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 4
+grep -h "FAIL\|CUDA tensors run" "$OUT/collectives_staged.log" >> "$summary" 2>/dev/null
 step collectives_nccl 60 env XIRANG_CUDA_TRANSPORT=nccl XIRANG_DEBUG=INFO "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 1
 grep -h "FAIL\|NCCL communicator" "$OUT/collectives_nccl.log" >> "$summary" 2>/dev/null
 step ddp 120 "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50
 grep -h "ddp" "$OUT/ddp.log" >> "$summary" 2>/dev/null
+step ddp_staged 90 env XIRANG_TRANSPORT_LOCAL=tcp "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50
+grep -h "ddp" "$OUT/ddp_staged.log" >> "$summary" 2>/dev/null
 step ddp_nccl 60 env XIRANG_CUDA_TRANSPORT=nccl "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 1 20
 grep -h "ddp" "$OUT/ddp_nccl.log" >> "$summary" 2>/dev/null
 step fsdp 60 "$PY" "$root/tests/gpu/check_fsdp.py" "$OUT" 2

@@ -345,6 +345,7 @@ AGREEMENTS = [
     ({"XIRANG_ALGO": "ring", "XIRANG_SEGMENT_BYTES": "65536"},) * 2,
     ({"XIRANG_SEGMENT_BYTES": "64K"}, {"XIRANG_SEGMENT_BYTES": "65536"}),
     ({"XIRANG_CUDA_TRANSPORT": "auto"}, {"XIRANG_CUDA_TRANSPORT": "host"}),
+    ({"XIRANG_CUDA_TRANSPORT": "mirror"}, {"XIRANG_CUDA_TRANSPORT": "auto"}),  # the same frames over TCP
     ({"XIRANG_ELASTIC": "1"}, {"XIRANG_ELASTIC": "true"}),
     # the creator's slot size is the host's (shm.h); the small size is read only by auto
     ({"XIRANG_TRANSPORT_LOCAL": "shm", "XIRANG_SHM_BYTES": "4194304"},
