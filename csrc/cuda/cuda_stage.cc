@@ -366,9 +366,13 @@ struct StagedDevice : LinkDevice {
   void makeLink(const Comm& host, transport::Deadline deadline) override {
     (void)deadline;
     install(std::make_unique<transport::StagedLink>(cuda::runtimeApi(), reinterpret_cast<device::Stream>(raw),
-                                                    host.link));
+                                                    *host.link));
   }
-  void prepare(const Comm& host) override { staged().setHost(host.link); }
+  // The group's TCP link is its one for life (no elastic rebuild here: the Engine keeps elastic
+  // groups on the mirrors).
+  void prepare(const Comm& host) override {
+    TORCH_CHECK(&staged().host() == host.link, "xirang: the staged CUDA engine's host link changed (elastic group?)");
+  }
 };
 
 DeviceStage::DeviceStage(Streams& streams, std::shared_ptr<LinkDevice> dev) : Stage(streams), dev_(std::move(dev)) {}
@@ -438,7 +442,9 @@ bool Engine::stagedFits(const std::vector<at::Tensor>& tensors) const {
   if (!staged_ || (setup_.host_shm && setup_.host_shm())) return false;
   std::optional<c10::Device> dev;
   for (const auto& t : tensors) {
-    if (!t.defined() || (!t.is_cuda() && t.numel() == 0)) continue;
+    if (!t.defined()) continue;
+    // Every tensor on the one GPU: the op bodies mix no devices (an empty CPU placeholder, which
+    // the NCCL engine takes, goes to the mirrors here, where it always worked).
     if (!t.is_cuda() || t.layout() != at::kStrided || (dev && t.device() != *dev)) return false;
     dev = t.device();
   }

@@ -8,7 +8,8 @@
 // stream, over a transport::StagedLink on the group's TCP link: only the bytes an algorithm
 // sends cross to the host, through pinned staging buffers (the wire format's: bf16 codes for the
 // hook's op, half of fp32 mirrors, and no CPU codec). It fits an op whose tensors are all on one
-// CUDA device (the group's first such op fixes it), in a group that is not elastic and whose
+// CUDA device (the group's first such op fixes it; no CPU tensor, not even an empty one), in a
+// group that is not elastic and whose
 // ranks do not share this rank's host memory (no shared-memory domain: there the bytes go
 // through host memory anyway, and the mirror engine's shared-memory algorithms move them);
 // other ops take the mirror engine. Same stage discipline as NCCL below.

@@ -97,7 +97,7 @@ struct StagedGroup {
   explicit StagedGroup(int size) : host(size), n(size), streams(size), links(size), reducers(size) {
     for (int r = 0; r < n; ++r) {
       if (dev.cuda().streamCreate(&streams[r]) != dv::kCudaSuccess) throw std::runtime_error("streamCreate");
-      links[r] = std::make_unique<tp::StagedLink>(dev.cuda(), streams[r], &host.hub.link(r));
+      links[r] = std::make_unique<tp::StagedLink>(dev.cuda(), streams[r], host.hub.link(r));
       reducers[r] = std::make_unique<xirang::algo::DeviceReducer>(dev.cuda(), dev.kernels(), streams[r]);
     }
   }

@@ -2,6 +2,7 @@
 #include "core/transport/staged_link.h"
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
 
 #include "core/device/backoff.h"
@@ -10,20 +11,33 @@ namespace xirang::transport {
 
 namespace dv = xirang::device;
 
-StagedLink::StagedLink(dv::CudaApi& cuda, dv::Stream stream, Link* host) : cuda_(cuda), stream_(stream), host_(host) {
+StagedLink::StagedLink(dv::CudaApi& cuda, dv::Stream stream, Link& host) : cuda_(cuda), stream_(stream), host_(&host) {
   callCuda(cuda_.eventCreate(&idle_), "cudaEventCreate");
 }
 
 StagedLink::~StagedLink() {
-  (void)cuda_.streamSynchronize(stream_);  // pending copies may still read the staging buffers
-  if (send_.ptr) (void)cuda_.freeHost(send_.ptr);
-  if (recv_.ptr) (void)cuda_.freeHost(recv_.ptr);
+  // Pending copies may still read the staging buffers: free them once the stream is idle. A
+  // stream that does not get there (a hung kernel ahead of an op that timed out) is not waited
+  // for without bound: the buffers are left allocated then.
+  bool idle = false;
+  if (idle_ && cuda_.eventRecord(idle_, stream_) == dv::kCudaSuccess) {
+    const auto until = Clock::now() + std::chrono::seconds(10);
+    dv::Backoff b;
+    for (;;) {
+      const int q = cuda_.eventQuery(idle_);
+      if (q != dv::kCudaErrorNotReady) {
+        idle = q == dv::kCudaSuccess;
+        break;
+      }
+      if (Clock::now() >= until) break;
+      b.pause();
+    }
+  }
+  if (idle) {
+    if (send_.ptr) (void)cuda_.freeHost(send_.ptr);
+    if (recv_.ptr) (void)cuda_.freeHost(recv_.ptr);
+  }
   if (idle_) (void)cuda_.eventDestroy(idle_);
-}
-
-Link& StagedLink::hostLink() const {
-  if (!host_) throw std::logic_error("xirang: StagedLink used before its host link was set");
-  return *host_;
 }
 
 void StagedLink::check() {
@@ -56,13 +70,16 @@ void StagedLink::synchronize(Deadline deadline) { waitIdle(deadline, "the link's
 
 uint8_t* StagedLink::reserve(Pinned& p, uint64_t bytes, Deadline deadline) {
   if (bytes <= p.cap) return p.ptr;
+  const uint64_t old_cap = p.cap;
   if (p.ptr) {
     waitIdle(deadline, "the copies out of the old staging buffer");
     callCuda(cuda_.freeHost(p.ptr), "cudaFreeHost");
     p.ptr = nullptr;
     p.cap = 0;
   }
-  const uint64_t cap = std::max(bytes, uint64_t{64} << 10);
+  // Geometric growth: a pinned allocation synchronizes the device, so sizes that creep up
+  // (alltoall with changing splits) must not pay it every time.
+  const uint64_t cap = std::max({bytes, old_cap + old_cap / 2, uint64_t{64} << 10});
   void* ptr = nullptr;
   callCuda(cuda_.mallocHost(&ptr, cap), "cudaMallocHost");
   p.ptr = static_cast<uint8_t*>(ptr);
@@ -73,7 +90,7 @@ uint8_t* StagedLink::reserve(Pinned& p, uint64_t bytes, Deadline deadline) {
 void StagedLink::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs, Deadline deadline,
                           std::vector<PeerTiming>* timings) {
   check();
-  Link& host = hostLink();
+  Link& host = *host_;
   uint64_t send_bytes = 0, recv_bytes = 0;
   for (const auto& j : sends)
     for (const auto& s : j.segs) send_bytes += s.bytes;
@@ -121,19 +138,15 @@ void StagedLink::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& rec
 }
 
 void StagedLink::abort(const std::string& why) {
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    if (stop_why_.empty()) stop_why_ = why;
-  }
-  if (host_) host_->abort(why);
+  interrupt(why);
+  host_->abort(why);
 }
 
 void StagedLink::interrupt(const std::string& why) {
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    if (stop_why_.empty()) stop_why_ = why;
-  }
-  if (host_) host_->interrupt(why);
+  // Not the host link's: its owner (the group) aborts it, sending its abort frames first; an
+  // interrupt here would shut its sockets and lose them.
+  std::lock_guard<std::mutex> g(mu_);
+  if (stop_why_.empty()) stop_why_ = why;
 }
 
 }  // namespace xirang::transport

@@ -21,10 +21,12 @@
 // completion is synchronize()).
 //
 // Memory: two pinned buffers, of the largest exchange's send and receive bytes, grown on demand
-// (after the stream is idle) and kept for the link's life. Failures: a CUDA call that fails throws
-// TransportError naming it; the deadline while waiting for the stream, TimeoutError; interrupt()
-// (any thread) ends a wait at once and interrupts the host link; abort() aborts the host link.
-// Per-peer timings and byte counts are the host link's.
+// (geometrically, after the stream is idle) and kept for the link's life. Failures: a CUDA call
+// that fails throws TransportError naming it; the deadline while waiting for the stream,
+// TimeoutError. interrupt() (any thread) ends a wait for the stream at once and fails every later
+// call; it leaves the host link alone (its owner aborts it, abort frames first: a running host
+// exchange ends then). abort() interrupts and aborts the host link. Per-peer timings and byte
+// counts are the host link's.
 #pragma once
 
 #include <atomic>
@@ -40,18 +42,17 @@ namespace xirang::transport {
 
 class StagedLink : public Link {
  public:
-  // Orders its copies on `stream` (not owned); `host` (not owned) may be set later.
-  StagedLink(device::CudaApi& cuda, device::Stream stream, Link* host = nullptr);
-  // Waits for the stream (best effort) and frees the pinned buffers.
+  // Orders its copies on `stream` (not owned) and exchanges over `host` (not owned, outlives it).
+  StagedLink(device::CudaApi& cuda, device::Stream stream, Link& host);
+  // Frees the pinned buffers once the stream is idle (waiting up to 10 s; left allocated else).
   ~StagedLink() override;
   StagedLink(const StagedLink&) = delete;
   StagedLink& operator=(const StagedLink&) = delete;
 
-  // The host link the next exchanges run over (the backend hands the group's current one per op).
-  void setHost(Link* host) { host_ = host; }
+  const Link& host() const { return *host_; }
 
-  int rank() const override { return hostLink().rank(); }
-  int size() const override { return hostLink().size(); }
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
   Memory memory() const override { return Memory::Device; }
   device::Stream stream() const { return stream_; }
 
@@ -69,7 +70,6 @@ class StagedLink : public Link {
     uint8_t* ptr = nullptr;
     uint64_t cap = 0;
   };
-  Link& hostLink() const;
   void check();
   void callCuda(int result, const char* call);
   void waitIdle(Deadline deadline, const char* what);
@@ -77,7 +77,7 @@ class StagedLink : public Link {
 
   device::CudaApi& cuda_;
   device::Stream stream_;
-  Link* host_;
+  Link* const host_;
   device::Event idle_ = nullptr;
   Pinned send_, recv_;
   std::atomic<uint64_t> sent_{0};

@@ -183,8 +183,10 @@ class BF16ErrorFeedbackState(Checkpointing):
             fp16 and int8 run the direct form (each rank sends every chunk straight to its
             owner, the owner sums the N contributions in fp32 and rounds once, an allgather of
             the rounded chunks follows): only the sender's and the owner's roundings occur,
-            both kept in the residuals. Every rank must pass the same ``wire``. fp16 and int8
-            run the CPU codec: CUDA gradients go through the host-staged path.
+            both kept in the residuals. Every rank must pass the same ``wire``. On CUDA
+            gradients every format runs the codec's device kernels (host-staged or NCCL), except
+            where the backend mirrors them in host memory (ranks sharing a host, elastic mode,
+            ``XIRANG_CUDA_TRANSPORT=mirror``): there the CPU codec runs.
 
     Memory: per compressed element 12 bytes on top of the gradient (residual 4, staging 4,
     packed buffer 4, all fp32); per plain element one packed copy in its dtype. Residuals are
