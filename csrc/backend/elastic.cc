@@ -171,7 +171,12 @@ void Membership::close() {
     comm_.shm = nullptr;
   }
   if (tcp) {
-    tcp->leave();  // a peer still waiting for this rank's connection fails now, not at its timeout
+    // A peer still waiting for this rank's connection fails now, not at its timeout (unless every
+    // peer is gone: a same-host peer's exit is seen by the shared-memory domain's process watch).
+    tcp->leave([&shm](int r) {
+      const int i = shm ? shm->indexOf(r) : -1;
+      return i >= 0 && shm->processGone(i);
+    });
     tcp->close();
   }
   shm.reset();  // unmaps (the segment was unlinked when it was created)

@@ -234,3 +234,57 @@ def test_peer_that_never_connected_is_detected_fast(backend):
         assert isinstance(first, mp_pool.ExcInfo), "rank 0's all_reduce did not raise"
         assert first.elapsed < 5.0, f"raised after {first.elapsed:.2f} s (group timeout 60 s)"
         assert "refuses connections" in str(first), str(first)
+
+
+# ---------------------------------------------------------------- destroy after the store's host left
+_STORE_HOST_EXITS = r"""
+import datetime, os, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+
+def run(rank, port):
+    import xirang  # noqa: F401
+    # rank 0's process hosts the TCPStore (env:// without torchrun's agent)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("xirang", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    dist.send(t, 1 - rank) if rank == 0 else dist.recv(t, 0)  # a TCP connection on every path
+    assert t[0].item() == 2.0
+    if rank == 0:
+        dist.destroy_process_group()
+        return  # and the process exits, taking the store down
+    time.sleep(1.5)
+    dist.destroy_process_group()
+    print("rank 1 destroyed", flush=True)
+
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(int(sys.argv[1]),), nprocs=2)
+"""
+
+
+@pytest.mark.parametrize("local", ["auto", "tcp"])
+def test_destroy_after_the_store_host_exited_is_quiet(tmp_path, local):
+    """A rank destroying its group after the rank that hosted the store exited writes no exit note
+    (every peer is gone: nobody waits for it), so torch's TCPStore prints no failed send with a
+    C++ backtrace on a clean job end."""
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import require_backend
+
+    require_backend("xirang")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    script = tmp_path / "store_host_exits.py"
+    script.write_text(_STORE_HOST_EXITS)
+    env = dict(os.environ, XIRANG_TRANSPORT_LOCAL=local, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(script), str(port)], env=env, capture_output=True, text=True, timeout=120,
+                       cwd=str(tmp_path))
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "rank 1 destroyed" in out, out[-4000:]
+    assert "sendBytes failed" not in out and "Broken pipe" not in out and "frame #" not in out, out[-4000:]

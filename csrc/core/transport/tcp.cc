@@ -140,8 +140,24 @@ void Tcp::interrupt(const std::string& why) {
   cv_.notify_all();
 }
 
-void Tcp::leave() {
-  if (!store_ || size_ <= 1) return;
+bool Tcp::everyPeerGone(const std::function<bool(int)>& known_gone) {
+  std::vector<uint8_t> gone(static_cast<size_t>(size_), 0);
+  {
+    std::lock_guard<std::mutex> g(mu_);  // close() cannot recycle an fd meanwhile
+    for (auto* m : {&out_fds_, &in_fds_, &p2p_out_fds_, &p2p_in_fds_})
+      for (const auto& [peer, fd] : *m) {
+        uint8_t b;
+        if (peer >= 0 && peer < size_ && ::recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
+          gone[static_cast<size_t>(peer)] = 1;
+      }
+  }
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_ && !gone[static_cast<size_t>(r)] && !(known_gone && known_gone(r))) return false;
+  return true;
+}
+
+void Tcp::leave(const std::function<bool(int)>& known_gone) {
+  if (!store_ || size_ <= 1 || everyPeerGone(known_gone)) return;
   try {
     store_->set(opts_.key_prefix + "/exit/" + std::to_string(rank_), "left");
   } catch (...) {  // best effort: the store may be gone with the rank that hosted it

@@ -103,8 +103,12 @@ class Tcp : public Link, public P2PLinks {
   // Idempotent; never throws.
   void abort(const std::string& why) override;
   // Records in the store that this rank leaves the group cleanly (destroy_process_group), so a
-  // peer waiting for our connection fails now instead of at its timeout. Never throws.
-  void leave();
+  // peer waiting for our connection fails now instead of at its timeout. Skipped when every other
+  // rank is gone already: it closed a connection with this one, or `known_gone(rank)` says so
+  // (the shared-memory domain's process watch). Then nobody waits, and the store may have gone
+  // with the rank that hosted it (torch's TCPStore prints such a failure with a backtrace).
+  // Never throws.
+  void leave(const std::function<bool(int)>& known_gone = {});
   // Closes everything and joins the transport's threads. Idempotent.
   void close();
   // Callable from any thread: marks the transport closed with `why` and shuts every socket
@@ -135,6 +139,9 @@ class Tcp : public Link, public P2PLinks {
   void checkStoreAbort(int peer);
   // Throws TransportError when peerGone(peer) says so.
   void checkPeer(int peer);
+  // Whether every other rank closed a connection with this one (a peek sees EOF) or is
+  // `known_gone`.
+  bool everyPeerGone(const std::function<bool(int)>& known_gone);
   // Called by the acceptor for each authenticated connection.
   std::string onPeer(Channel channel, int peer, int fd);
   int clientConnect(int peer, Deadline deadline, Channel channel);
