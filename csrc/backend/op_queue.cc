@@ -17,6 +17,7 @@ OpQueue::OpQueue(int rank, const XirangConfig& cfg, Membership& membership, Reco
     : rank_(rank), cfg_(cfg), membership_(membership), records_(records) {
   try {
     spin_ = spinKnob();
+    inline_max_bytes_ = static_cast<uint64_t>(std::max<int64_t>(0, env::getInt("XIRANG_SMALL_BYTES")));
   } catch (const std::invalid_argument& e) {
     XR_CHECK(rank, false, e.what());
   }
@@ -113,12 +114,34 @@ c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpS
   // wire's code type, so a rank passing another wire is a "wire mismatch" on every rank.
   if (spec.kind == OpKind::AllreduceEF) op.ctx.dtype = codec::wireDType(spec.wire);
   if (env::logLevel() >= env::Level::Trace) env::log(env::Level::Trace, rank_, "enqueue " + op.what);
+  bool may_inline = spec.sync && !stage->copies() && !cfg_.elastic &&
+                          spec.numel * elementSize(spec.dtype) <= inline_max_bytes_;
+  std::string first_error;
   {
     std::lock_guard<std::mutex> g(mu_);
-    queue_.push_back(std::move(op));
-    pending_.fetch_add(1, std::memory_order_release);
+    if (!(may_inline && queue_.empty() && !busy_ && !stop_)) {
+      queue_.push_back(std::move(op));
+      pending_.fetch_add(1, std::memory_order_release);
+      may_inline = false;
+    } else {
+      busy_ = true;  // the communication thread waits for it
+      first_error = poison_;
+    }
   }
-  cv_.notify_one();
+  if (!may_inline) {
+    cv_.notify_one();
+    return work;
+  }
+  op.rec.on_caller = true;
+  {
+    WaitClock::Timer timer(work->wait_clock_.get());  // the caller blocks in the op itself: its exposed wait
+    execute(op, first_error);
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    busy_ = false;
+  }
+  cv_.notify_all();
   return work;
 }
 
@@ -160,6 +183,17 @@ std::exception_ptr OpQueue::run(Op& op, Phases* ph) {
   }
 }
 
+void OpQueue::execute(Op& op, const std::string& first_error) {
+  Clock::time_point start;
+  if (records_.on()) start = Clock::now();
+  Phases ph;
+  std::exception_ptr error = first_error.empty() ? run(op, records_.on() ? &ph : nullptr)
+                                                 : std::make_exception_ptr(std::runtime_error(first_error));
+  if (records_.on())
+    records_.finish(std::move(op.rec), ph, error == nullptr, op.raw_per_wire, op.enqueued, start, op.rec_ns);
+  op.work->complete(error);
+}
+
 void OpQueue::runLoop() {
   while (true) {
     Op op;
@@ -172,7 +206,8 @@ void OpQueue::runLoop() {
     }
     {
       std::unique_lock<std::mutex> g(mu_);
-      cv_.wait(g, [&] { return stop_ || !queue_.empty() || membership_.signalled(); });
+      // Not while an operation runs on a caller's thread (enqueue): the next one waits its turn.
+      cv_.wait(g, [&] { return !busy_ && (stop_ || !queue_.empty() || membership_.signalled()); });
       if (!queue_.empty()) {
         op = std::move(queue_.front());
         queue_.pop_front();
@@ -184,19 +219,12 @@ void OpQueue::runLoop() {
         continue;
       }
       first_error = poison_;
+      busy_ = true;
     }
-    if (!op.work) {
-      membership_.recoverIdle();
-      continue;
-    }
-    Clock::time_point start;
-    if (records_.on()) start = Clock::now();
-    Phases ph;
-    std::exception_ptr error = first_error.empty() ? run(op, records_.on() ? &ph : nullptr)
-                                                   : std::make_exception_ptr(std::runtime_error(first_error));
-    if (records_.on())
-      records_.finish(std::move(op.rec), ph, error == nullptr, op.raw_per_wire, op.enqueued, start, op.rec_ns);
-    op.work->complete(error);
+    if (op.work) execute(op, first_error);
+    else membership_.recoverIdle();
+    std::lock_guard<std::mutex> g(mu_);
+    busy_ = false;
   }
 }
 

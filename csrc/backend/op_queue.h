@@ -50,6 +50,9 @@ struct OpSpec {
   std::string label{};    // its layer names
   SaveFn save{};          // elastic mode: retried on the new ring (Membership::run)
   codec::Wire wire = codec::Wire::BF16;  // AllreduceEF's wire format: its records' op name and raw bytes
+  // The caller waits for it at once (the options' asyncOp false: torch.distributed's
+  // async_op=False), so a small one may run on the caller's thread (OpQueue::enqueue).
+  bool sync = false;
 };
 
 struct Op {
@@ -86,6 +89,13 @@ class OpQueue {
   // Queues an operation (caller's thread): its stage binds the tensors of spec (the bound
   // ones), fn runs on the communication thread. Throws c10::Error once the group is poisoned or
   // shut down.
+  //
+  // A small synchronous operation (spec.sync, at most XIRANG_SMALL_BYTES, host tensors, not
+  // elastic) that finds the queue empty and the communication thread idle runs at once on the
+  // caller's thread instead, in its turn all the same (the communication thread takes the next
+  // operation only after it): the caller waits for it anyway, and the two thread hand-overs
+  // (queue -> communication thread -> Work.wait()) cost more than such an operation itself on
+  // a loaded machine. The Work is complete when enqueue returns.
   c10::intrusive_ptr<WorkXirang> enqueue(OpSpec spec, std::shared_ptr<OpStage> stage, OpFn fn);
 
   // Records the group's first error (every later op raises it), stops this rank's heartbeat and,
@@ -108,6 +118,9 @@ class OpQueue {
   void runLoop();
   // Runs `op` and returns its error (null: success).
   std::exception_ptr run(Op& op, Phases* ph);
+  // run() with its record, then completes the Work; `first_error`: the group's poison when the
+  // op was taken (the op fails with it instead of running).
+  void execute(Op& op, const std::string& first_error);
 
   const int rank_;
   const XirangConfig& cfg_;
@@ -119,6 +132,8 @@ class OpQueue {
   std::condition_variable cv_;
   std::deque<Op> queue_;
   std::atomic<uint64_t> pending_{0};  // queue_.size(), read without mu_ by the spin
+  bool busy_ = false;  // an operation is running (on the communication thread or inline)
+  uint64_t inline_max_bytes_ = 0;  // XIRANG_SMALL_BYTES: the largest op run inline
   std::chrono::microseconds spin_{0};  // XIRANG_SPIN_US
   bool stop_ = false;
   std::string poison_;

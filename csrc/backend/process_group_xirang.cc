@@ -178,7 +178,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce(std::vector<at::Ten
   const double premul = scaleOf(opts.reduceOp, op);
   return enqueue({.type = c10d::OpType::ALLREDUCE, .title = "xirang:all_reduce", .kind = OpKind::Allreduce,
                   .outputs = ts, .inputs = ts, .dtype = toDType(t.scalar_type()), .reduce = op,
-                  .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout},
+                  .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, t, op, premul](OpCtx& ctx) { host::allreduce(stage->comm(comm(), ctx), ctx, t, op, premul); });
 }
 
@@ -198,7 +198,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduce_coalesced(std::vect
   const double premul = scaleOf(opts.reduceOp, op);
   return enqueue({.type = c10d::OpType::ALLREDUCE_COALESCED, .title = "xirang:all_reduce_coalesced",
                   .kind = OpKind::Allreduce, .outputs = ts, .inputs = ts, .dtype = toDType(ts[0].scalar_type()),
-                  .reduce = op, .numel = total, .timeout = opts.timeout},
+                  .reduce = op, .numel = total, .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, ts, op, premul](OpCtx& ctx) { host::allreduceCoalesced(stage->comm(comm(), ctx), ctx, ts, op, premul); });
 }
 
@@ -216,7 +216,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allreduceSparse(std::vector<a
            " dimensions, got ", t.dim());
   return enqueue({.type = c10d::OpType::_ALLREDUCE_SPARSE, .title = "xirang:sparse_all_reduce",
                   .kind = OpKind::Allgather, .outputs = tensors, .inputs = tensors, .dtype = toDType(t.scalar_type()),
-                  .reduce = ReduceOp::Sum, .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout},
+                  .reduce = ReduceOp::Sum, .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout, .sync = !opts.asyncOp},
                  hostStage(), [this, t](OpCtx& ctx) { host::allreduceSparse(comm(), ctx, t, size_); });
 }
 
@@ -299,7 +299,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::broadcast(std::vector<at::Ten
   const int root = static_cast<int>(opts.rootRank);
   return enqueue({.type = c10d::OpType::BROADCAST, .title = "xirang:broadcast", .kind = OpKind::Broadcast,
                   .outputs = ts, .inputs = ts, .dtype = toDType(t.scalar_type()),
-                  .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout},
+                  .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, t, root](OpCtx& ctx) {
                    if (!membership_->live(root))
                      throw MembershipChanged(rankPrefix(rank_) + "broadcast: root rank " +
@@ -322,7 +322,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce(std::vector<at::Tensor
   const int root = static_cast<int>(opts.rootRank);
   return enqueue({.type = c10d::OpType::REDUCE, .title = "xirang:reduce", .kind = OpKind::Reduce, .outputs = ts,
                   .inputs = ts, .dtype = toDType(t.scalar_type()), .reduce = op,
-                  .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout},
+                  .numel = static_cast<uint64_t>(t.numel()), .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, t, op, premul, root](OpCtx& ctx) { host::reduce(stage->comm(comm(), ctx), ctx, t, op, premul, root); });
 }
 
@@ -349,7 +349,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_allgather_base(at::Tensor& o
   return enqueue({.type = c10d::OpType::_ALLGATHER_BASE, .title = "xirang:all_gather_into_tensor",
                   .kind = OpKind::Allgather, .outputs = {output}, .inputs = {input},
                   .dtype = toDType(input.scalar_type()), .numel = static_cast<uint64_t>(input.numel()),
-                  .timeout = opts.timeout},
+                  .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, output, input](OpCtx& ctx) { host::allgatherBase(stage->comm(comm(), ctx), ctx, output, input, size_); });
 }
 
@@ -375,7 +375,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather(std::vector<std::ve
   auto outs = outputs[0];
   return enqueue({.type = c10d::OpType::ALLGATHER, .title = "xirang:all_gather", .kind = OpKind::Allgather,
                   .outputs = outs, .inputs = inputs, .dtype = toDType(in.scalar_type()),
-                  .numel = static_cast<uint64_t>(in.numel()), .timeout = opts.timeout},
+                  .numel = static_cast<uint64_t>(in.numel()), .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, outs, in](OpCtx& ctx) { host::allgather(stage->comm(comm(), ctx), ctx, outs, in, size_); });
 }
 
@@ -420,7 +420,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_coalesced(std::vect
   const DType dtype = inputs.empty() ? DType::Bytes : one_dtype ? toDType(inputs[0].scalar_type()) : DType::Bytes;
   return enqueue({.type = c10d::OpType::ALLGATHER_COALESCED, .title = "xirang:all_gather_coalesced",
                   .kind = OpKind::Allgather, .outputs = flat_outs, .inputs = inputs, .dtype = dtype, .numel = numel,
-                  .timeout = opts.timeout},
+                  .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, inputs, outputs, bytes](OpCtx& ctx) {
                    host::allgatherCoalesced(stage->comm(comm(), ctx), ctx, inputs, outputs, bytes, size_);
                  });
@@ -459,7 +459,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_reduce_scatter_base(at::Tens
   return enqueue({.type = c10d::OpType::_REDUCE_SCATTER_BASE, .title = "xirang:reduce_scatter_tensor",
                   .kind = OpKind::ReduceScatter, .outputs = {output}, .inputs = {input},
                   .dtype = toDType(input.scalar_type()), .reduce = op, .numel = static_cast<uint64_t>(input.numel()),
-                  .timeout = opts.timeout},
+                  .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, output, input, op, premul](OpCtx& ctx) {
                    host::reduceScatterBase(stage->comm(comm(), ctx), ctx, output, input, op, premul, size_);
                  });
@@ -504,7 +504,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall_base(at::Tensor& out
   auto out_rows = alltoallRows(rank_, size_, output, outputSplits, "output");
   return enqueue({.type = c10d::OpType::ALLTOALL_BASE, .title = "xirang:all_to_all", .kind = OpKind::Alltoall,
                   .outputs = {output}, .inputs = {input}, .dtype = toDType(input.scalar_type()),
-                  .numel = static_cast<uint64_t>(input.numel()), .timeout = opts.timeout},
+                  .numel = static_cast<uint64_t>(input.numel()), .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, output, input, in_rows, out_rows](OpCtx& ctx) {
                    host::alltoallBase(stage->comm(comm(), ctx), ctx, output, input, in_rows, out_rows, size_);
                  });
@@ -526,7 +526,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::alltoall(std::vector<at::Tens
   for (auto& t : inputs) total += static_cast<uint64_t>(t.numel());
   return enqueue({.type = c10d::OpType::ALLTOALL, .title = "xirang:all_to_all", .kind = OpKind::Alltoall,
                   .outputs = outputs, .inputs = inputs, .dtype = toDType(inputs[0].scalar_type()), .numel = total,
-                  .timeout = opts.timeout},
+                  .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage,
                  [this, stage, outs = outputs, ins = inputs](OpCtx& ctx) { host::alltoall(stage->comm(comm(), ctx), ctx, outs, ins, size_); });
 }
@@ -546,7 +546,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::gather(std::vector<std::vecto
   std::vector<at::Tensor> outs = rootList(rank_, size_, root, "gather", in, outputs, "output", "input", stage->bindsDevice());
   return enqueue({.type = c10d::OpType::GATHER, .title = "xirang:gather", .kind = OpKind::Gather, .outputs = outs,
                   .inputs = inputs, .dtype = toDType(in.scalar_type()), .numel = static_cast<uint64_t>(in.numel()),
-                  .timeout = opts.timeout},
+                  .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, in, outs, root](OpCtx& ctx) { host::gather(stage->comm(comm(), ctx), ctx, in, outs, root); });
 }
 
@@ -565,13 +565,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::scatter(std::vector<at::Tenso
   std::vector<at::Tensor> ins = rootList(rank_, size_, root, "scatter", out, inputs, "input", "output", stage->bindsDevice());
   return enqueue({.type = c10d::OpType::SCATTER, .title = "xirang:scatter", .kind = OpKind::Scatter,
                   .outputs = outputs, .inputs = ins, .dtype = toDType(out.scalar_type()),
-                  .numel = static_cast<uint64_t>(out.numel()), .timeout = opts.timeout},
+                  .numel = static_cast<uint64_t>(out.numel()), .timeout = opts.timeout, .sync = !opts.asyncOp},
                  stage, [this, stage, out, ins, root](OpCtx& ctx) { host::scatter(stage->comm(comm(), ctx), ctx, out, ins, root); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::barrier(const c10d::BarrierOptions& opts) {
   return enqueue({.type = c10d::OpType::BARRIER, .title = "xirang:barrier", .kind = OpKind::Barrier,
-                  .dtype = DType::UInt8, .reduce = ReduceOp::Max, .numel = 1, .timeout = opts.timeout},
+                  .dtype = DType::UInt8, .reduce = ReduceOp::Max, .numel = 1, .timeout = opts.timeout, .sync = !opts.asyncOp},
                  hostStage(), [this](OpCtx& ctx) { host::barrier(comm(), ctx); });
 }
 

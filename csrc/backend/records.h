@@ -31,7 +31,8 @@ inline int64_t steadyNs(Clock::time_point t) {
 // Work and the operation's record, because the record is taken when the operation completes
 // while a wait ends later (after the wake-up) or only begins later (an async op waited on after
 // other work). Counted: every WorkXirang::wait() call, which is what torch.distributed's
-// synchronous collectives (async_op=False) and Work.wait() run. Not counted: waits on the Work's
+// synchronous collectives (async_op=False) and Work.wait() run, and the whole of a synchronous
+// operation the caller ran on its own thread (OpQueue::enqueue's inline path). Not counted: waits on the Work's
 // Future (fut.wait(), DDP waiting on comm-hook futures at the end of backward), polling
 // is_completed(), and on CUDA the caller's stream waiting for the copies back (the CPU does not
 // block on it).
@@ -42,6 +43,32 @@ struct WaitClock {
   // Seconds blocked up to steady-clock time `now_ns` (a wait in progress counts up to now_ns);
   // unset when no Work.wait() has begun. Two threads waiting on one Work at once count twice.
   std::optional<double> seconds(int64_t now_ns) const;
+
+  // Times one wait (a Work.wait() call, or an operation the caller runs itself: OpQueue's inline
+  // path) into `c` (null: nothing), including a wait that raises.
+  class Timer {
+   public:
+    explicit Timer(WaitClock* c) : c_(c) {
+      if (!c_) return;
+      c_->calls.fetch_add(1, std::memory_order_relaxed);
+      t0_ = steadyNs(Clock::now());
+      int64_t none = 0;
+      owner_ = c_->since_ns.compare_exchange_strong(none, t0_);
+    }
+    ~Timer() {
+      if (!c_) return;
+      const int64_t t1 = steadyNs(Clock::now());
+      if (owner_) c_->since_ns.store(0);
+      c_->blocked_ns.fetch_add(t1 - t0_);
+    }
+    Timer(const Timer&) = delete;
+    Timer& operator=(const Timer&) = delete;
+
+   private:
+    WaitClock* c_;
+    int64_t t0_ = 0;
+    bool owner_ = false;
+  };
 };
 
 // The hook's error-feedback op as its records and its argument errors name it:
@@ -80,6 +107,7 @@ inline std::string efOpName(codec::Wire w) { return std::string("allreduce_") + 
   X(double, decode_s, 0)                                                                              \
   X(double, total_s, 0)                                                                               \
   X(bool, ok, true)                                                                                   \
+  X(bool, on_caller, false)                   /* ran on the caller's thread (OpQueue::enqueue) */      \
   X(std::optional<double>, exposed_wait_s, )  /* WaitClock: unset (null, None) = unknown */           \
   X(std::vector<PeerRecord>, peers, )         /* per peer this rank exchanged with */
 

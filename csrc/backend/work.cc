@@ -26,35 +26,8 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkXirang::getFuture() {
 
 std::vector<at::Tensor> WorkXirang::result() { return outputs_; }
 
-namespace {
-// Times one Work.wait() call into its WaitClock, including a wait that raises.
-class WaitTimer {
- public:
-  explicit WaitTimer(WaitClock* c) : c_(c) {
-    if (!c_) return;
-    c_->calls.fetch_add(1, std::memory_order_relaxed);
-    t0_ = steadyNs(Clock::now());
-    int64_t none = 0;
-    owner_ = c_->since_ns.compare_exchange_strong(none, t0_);
-  }
-  ~WaitTimer() {
-    if (!c_) return;
-    const int64_t t1 = steadyNs(Clock::now());
-    if (owner_) c_->since_ns.store(0);
-    c_->blocked_ns.fetch_add(t1 - t0_);
-  }
-  WaitTimer(const WaitTimer&) = delete;
-  WaitTimer& operator=(const WaitTimer&) = delete;
-
- private:
-  WaitClock* c_;
-  int64_t t0_ = 0;
-  bool owner_ = false;
-};
-}  // namespace
-
 bool WorkXirang::wait(std::chrono::milliseconds timeout) {
-  WaitTimer timer(wait_clock_.get());
+  WaitClock::Timer timer(wait_clock_.get());
   if (spin_.count() > 0) {  // a small operation ends within the spin: no sleep, no wake-up
     const auto end = Clock::now() + spin_;
     while (!done_.load(std::memory_order_acquire) && Clock::now() < end) std::this_thread::yield();

@@ -925,3 +925,48 @@ def test_all_reduce_inference_mode(backend, ws, pool):
     for t, is_inf in pool.run(w_inference_mode):
         assert is_inf
         assert t.tolist() == [3.0, 3.0, 3.0]
+
+
+# ---------------------------------------------------------------- small synchronous ops on the caller's thread
+def w_sync_on_caller():
+    import xirang
+
+    r = dist.get_rank()
+    out = {}
+    t = torch.full((1000,), float(r + 1))
+    dist.all_reduce(t)  # small, synchronous, the group idle: on the caller's thread
+    out["small"] = t[0].item()
+    big = torch.full((1 << 18,), float(r + 1))  # 1 MiB: above XIRANG_SMALL_BYTES
+    dist.all_reduce(big)
+    out["big"] = big[0].item()
+    a = torch.full((1000,), float(r + 1))
+    w = dist.all_reduce(a, async_op=True)  # queued: the communication thread (XIRANG_TEST_DELAY_MS: slow)
+    s = torch.full((10,), float(10 * (r + 1)))
+    dist.all_reduce(s)  # synchronous but the queue is busy: after the async op, on the thread
+    w.wait()
+    out["async"], out["after"] = a[0].item(), s[0].item()
+    dist.barrier()
+    recs = xirang.stats()
+    out["recs"] = [(x["seq"], x["op"], x["numel"], x["on_caller"], x["exposed_wait_s"]) for x in recs[-5:]]
+    return out
+
+
+@pytest.mark.dedicated
+@pytest.mark.xirang_only
+def test_small_sync_ops_run_on_the_callers_thread_in_order():
+    """A small synchronous op on an idle group runs on the caller's thread (records' on_caller, its
+    whole time an exposed wait); a large one, an async one, and a synchronous one issued while an
+    async op is still queued go through the communication thread; results and order are the
+    same either way (the values against a sum computed here)."""
+    with mp_pool.Pool(2, "xirang", timeout_s=60, env={"XIRANG_TEST_DELAY_MS": "100"}) as pool:
+        res = pool.run(w_sync_on_caller, timeout=60)
+    for r in (0, 1):
+        o = res[r]
+        assert o["small"] == 3.0 and o["big"] == 3.0 and o["async"] == 3.0 and o["after"] == 30.0, o
+        recs = o["recs"]
+        assert [x[0] for x in recs] == sorted(x[0] for x in recs), recs  # issued order
+        ops = [(op, numel, on_caller) for _, op, numel, on_caller, _ in recs]
+        assert ops == [("all_reduce", 1000, True), ("all_reduce", 1 << 18, False), ("all_reduce", 1000, False),
+                       ("all_reduce", 10, False), ("barrier", 1, True)], recs
+        # the inline op's whole 100 ms (the test delay) counts as the caller's exposed wait
+        assert recs[0][4] is not None and recs[0][4] >= 0.09, recs
