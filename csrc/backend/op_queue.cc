@@ -137,11 +137,13 @@ c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpS
     WaitClock::Timer timer(work->wait_clock_.get());  // the caller blocks in the op itself: its exposed wait
     execute(op, first_error);
   }
+  bool queued;
   {
     std::lock_guard<std::mutex> g(mu_);
     busy_ = false;
+    queued = !queue_.empty();
   }
-  cv_.notify_all();
+  if (queued) cv_.notify_all();  // ops queued meanwhile wait for the communication thread (no wake-up otherwise)
   return work;
 }
 
