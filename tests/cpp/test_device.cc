@@ -580,12 +580,12 @@ class AbortAt : public tp::Link {
 
 }  // namespace
 
-TEST_CASE("device: a rank aborting mid-op makes the others fail, not hang", "[device]") {
-  // Ring 0 -> 1 -> 2: both of rank 1's neighbours exchange with it after it died. (On a larger
-  // ring a rank that never exchanges with the dead one finishes: the engine's store-based abort
-  // has to tell it.)
+// Ring 0 -> 1 -> 2 of group G, rank 1 dying at its third ring step of a 50000-element allreduce:
+// what each rank's op ended with ("(no error)" if it did not fail), within 8 s. `failed(r, what)`
+// runs on a rank whose op failed (the staged group aborts its link there, as the backend does).
+template <class G>
+std::vector<std::string> abortMidOp(G& g, const std::function<void(int, const std::string&)>& failed = {}) {
   const int n = 3;
-  DeviceGroup g(n);
   std::vector<std::string> what(n);
   const auto t0 = xirang_test::Clock::now();
   runRanks(n, [&](int r) {
@@ -605,7 +605,9 @@ TEST_CASE("device: a rank aborting mid-op makes the others fail, not hang", "[de
       what[r] = "(no error)";
     } catch (const std::exception& e) {
       what[r] = e.what();
+      if (failed) failed(r, what[r]);
     }
+    (void)g.dev.cuda().free(p);
   });
   CHECK(xirang_test::Clock::now() - t0 < milliseconds(8000));
   for (int r = 0; r < n; ++r) {
@@ -613,6 +615,14 @@ TEST_CASE("device: a rank aborting mid-op makes the others fail, not hang", "[de
     CHECK(what[r] != "(no error)");
     if (r != 1) CHECK(what[r].find("timed out") == std::string::npos);  // told, not timed out
   }
+  return what;
+}
+
+TEST_CASE("device: a rank aborting mid-op makes the others fail, not hang", "[device]") {
+  // Both of rank 1's neighbours exchange with it after it died. (On a larger ring a rank that
+  // never exchanges with the dead one finishes: the engine's store-based abort has to tell it.)
+  DeviceGroup g(3);
+  const auto what = abortMidOp(g);
   // Each survivor is told by a peer that aborted: rank 1 itself, or the survivor rank 1's death
   // reached first (which one a survivor hears of first is a race); the first to fail names rank 1.
   CAPTURE(what[0], what[2]);
@@ -793,37 +803,9 @@ TEST_CASE("staged: only the wire format crosses to the host: the bf16 error-feed
 }
 
 TEST_CASE("staged: a rank aborting mid-op makes the others fail, not hang", "[device][staged]") {
-  const int n = 3;
-  StagedGroup g(n);
-  std::vector<std::string> what(n);
-  const auto t0 = xirang_test::Clock::now();
-  runRanks(n, [&](int r) {
-    const int64_t count = 50000;
-    void* p = nullptr;
-    g.dev.cuda().malloc(&p, count * 4);
-    std::memset(p, 0, count * 4);
-    AbortAt link(*g.links[r], r == 1 ? 3 : -1);  // rank 1 dies at its third ring step
-    Comm c = xirang_test::commOver(&link, r, n, {});
-    c.reducer = g.reducers[r].get();
-    c.small_bytes = 0;
-    c.segment_bytes = 4096;
-    try {
-      xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, count, 1), p, count,
-                          DType::Float32, ReduceOp::Sum);
-      g.links[r]->synchronize(after(milliseconds(10000)));
-      what[r] = "(no error)";
-    } catch (const std::exception& e) {
-      what[r] = e.what();
-      g.links[r]->abort(std::string("rank failed: ") + e.what());  // as the backend's poison does
-    }
-    (void)g.dev.cuda().free(p);
-  });
-  CHECK(xirang_test::Clock::now() - t0 < milliseconds(8000));
-  for (int r = 0; r < n; ++r) {
-    CAPTURE(r, what[r]);
-    CHECK(what[r] != "(no error)");
-    if (r != 1) CHECK(what[r].find("timed out") == std::string::npos);  // told, not timed out
-  }
+  StagedGroup g(3);
+  // A rank whose op failed aborts its link, as the backend's poison does.
+  const auto what = abortMidOp(g, [&g](int r, const std::string& w) { g.links[r]->abort("rank failed: " + w); });
   CHECK((what[0].find("rank 1") != std::string::npos || what[2].find("rank 1") != std::string::npos));
 }
 

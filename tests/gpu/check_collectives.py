@@ -18,7 +18,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+import ranks  # tests/gpu/ranks.py
 
 
 def worker(rank, world, port, out, q):
@@ -142,23 +143,7 @@ def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "gpu-results"
     world = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     os.makedirs(out, exist_ok=True)
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, out, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    for _ in range(world):
-        r, res = q.get(timeout=240)
-        got[r] = res
-    for p in procs:
-        p.join(30)
+    got = ranks.run(worker, world, out, timeout=240)
     ok = all("error" not in res and all(res.values()) for res in got.values()) and len(got) == world
     name = ("collectives-nccl.json" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl"
             else "collectives-staged.json" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "collectives.json")

@@ -19,8 +19,9 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+
+import ranks  # tests/gpu/ranks.py
 
 
 def train(backend, rank, world, steps, use_hook):
@@ -76,20 +77,7 @@ def main():
     world = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 50
     os.makedirs(out, exist_ok=True)
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, steps, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=280) for _ in range(world))
-    for p in procs:
-        p.join(30)
+    got = ranks.run(worker, world, steps, timeout=280)
     summary = {"world": world, "steps": steps}
     ok = len(got) == world and all("error" not in r for r in got.values())
     if ok:

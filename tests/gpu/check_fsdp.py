@@ -29,8 +29,9 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+import ranks  # tests/gpu/ranks.py
 
 D_IN, D_H, D_OUT, BATCH = 6, 7, 5, 4  # rows of 7 and 5: FSDP pads them at world size 2
 S = 1000                               # the bits part's per-rank chunk
@@ -186,20 +187,7 @@ def main():
     world = int(args[1]) if len(args) > 1 else 2
     device = "cpu" if "--cpu" in sys.argv else "cuda:0"
     os.makedirs(out, exist_ok=True)
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, device, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=170) for _ in range(world))
-    for p in procs:
-        p.join(30)
+    got = ranks.run(worker, world, device, timeout=170)
     ok = len(got) == world and all("error" not in r for r in got.values())
     if ok:
         for wire in WIRES:
