@@ -48,26 +48,18 @@ using xirang_test::runRanks;
 using xirang_test::unit;
 using std::chrono::milliseconds;
 
-// n ranks, each with a stream, a communicator from the fake NCCL (unique id through a store,
-// non-blocking init), an NcclLink and a DeviceReducer on that stream.
-struct DeviceGroup {
+// n ranks of the fake device, each with a stream, a device link of type L (made by the derived
+// group) and a DeviceReducer on that stream.
+template <class L>
+struct DeviceRanks {
   dv::FakeDevice dev;  // first member: destroyed last
   int n;
   std::vector<dv::Stream> streams;
-  std::vector<std::unique_ptr<tp::NcclLink>> links;
+  std::vector<std::unique_ptr<L>> links;
   std::vector<std::unique_ptr<xirang::algo::DeviceReducer>> reducers;
 
-  explicit DeviceGroup(int size) : n(size), streams(size), links(size), reducers(size) {
-    MemStore store;
-    runRanks(n, [&](int r) {
-      if (dev.cuda().streamCreate(&streams[r]) != dv::kCudaSuccess) throw std::runtime_error("streamCreate");
-      const auto id = tp::shareNcclUniqueId(dev.nccl(), store, "xirang/test/0/nccl_uid", r, after(milliseconds(10000)));
-      dv::NcclComm c = tp::initNcclComm(dev.nccl(), id, r, n, after(milliseconds(10000)), "test");
-      links[r] = std::make_unique<tp::NcclLink>(dev.nccl(), dev.cuda(), c, r, n, streams[r]);
-      reducers[r] = std::make_unique<xirang::algo::DeviceReducer>(dev.cuda(), dev.kernels(), streams[r]);
-    });
-  }
-  ~DeviceGroup() {
+  explicit DeviceRanks(int size) : n(size), streams(size), links(size), reducers(size) {}
+  ~DeviceRanks() {
     links.clear();
     reducers.clear();
     for (auto s : streams) (void)dev.cuda().streamDestroy(s);
@@ -79,41 +71,43 @@ struct DeviceGroup {
   }
   void run(const std::function<void(int)>& fn) {
     xirang_test::runAborting(n, [&](int r) -> tp::Link& { return *links[r]; }, fn);
+  }
+
+ protected:
+  void makeStream(int r) {
+    if (dev.cuda().streamCreate(&streams[r]) != dv::kCudaSuccess) throw std::runtime_error("streamCreate");
+    reducers[r] = std::make_unique<xirang::algo::DeviceReducer>(dev.cuda(), dev.kernels(), streams[r]);
+  }
+};
+
+// n ranks over NcclLinks: communicators from the fake NCCL (unique id through a store,
+// non-blocking init).
+struct DeviceGroup : DeviceRanks<tp::NcclLink> {
+  explicit DeviceGroup(int size) : DeviceRanks(size) {
+    MemStore store;
+    runRanks(n, [&](int r) {
+      makeStream(r);
+      const auto id = tp::shareNcclUniqueId(dev.nccl(), store, "xirang/test/0/nccl_uid", r, after(milliseconds(10000)));
+      dv::NcclComm c = tp::initNcclComm(dev.nccl(), id, r, n, after(milliseconds(10000)), "test");
+      links[r] = std::make_unique<tp::NcclLink>(dev.nccl(), dev.cuda(), c, r, n, streams[r]);
+    });
   }
 };
 
 using namespace xirang_test::cases;  // ctxFor, Env, fillInput, allCollectives (collective_cases.h)
 
-// n ranks, each with a stream, a StagedLink (pinned staging) over the in-process link and a
-// DeviceReducer on that stream: the device code without NCCL between the ranks.
-struct StagedGroup {
-  dv::FakeDevice dev;  // first member: destroyed last
+// n ranks over StagedLinks (pinned staging) on the in-process link: the device code without NCCL
+// between the ranks.
+struct StagedGroup : DeviceRanks<tp::StagedLink> {
   InprocGroup host;
-  int n;
-  std::vector<dv::Stream> streams;
-  std::vector<std::unique_ptr<tp::StagedLink>> links;
-  std::vector<std::unique_ptr<xirang::algo::DeviceReducer>> reducers;
-
-  explicit StagedGroup(int size) : host(size), n(size), streams(size), links(size), reducers(size) {
+  explicit StagedGroup(int size) : DeviceRanks(size), host(size) {
     for (int r = 0; r < n; ++r) {
-      if (dev.cuda().streamCreate(&streams[r]) != dv::kCudaSuccess) throw std::runtime_error("streamCreate");
+      makeStream(r);
       links[r] = std::make_unique<tp::StagedLink>(dev.cuda(), streams[r], host.hub.link(r));
-      reducers[r] = std::make_unique<xirang::algo::DeviceReducer>(dev.cuda(), dev.kernels(), streams[r]);
     }
   }
-  ~StagedGroup() {
-    links.clear();
-    reducers.clear();
-    for (auto s : streams) (void)dev.cuda().streamDestroy(s);
-  }
-  Comm comm(int r, std::vector<int> ring = {}) {
-    Comm c = xirang_test::commOver(links[r].get(), r, n, std::move(ring));
-    c.reducer = reducers[r].get();
-    return c;
-  }
-  void run(const std::function<void(int)>& fn) {
-    xirang_test::runAborting(n, [&](int r) -> tp::Link& { return *links[r]; }, fn);
-  }
+  // The staged links go first: they refer to the in-process links (the base clears them later).
+  ~StagedGroup() { links.clear(); }
 };
 
 // Runs `body` on every rank of a device group G (DeviceGroup or StagedGroup) of n ranks, the
@@ -631,8 +625,10 @@ TEST_CASE("device: a rank aborting mid-op makes the others fail, not hang", "[de
   CHECK((what[0].find("rank 1 aborted") != std::string::npos || what[2].find("rank 1 aborted") != std::string::npos));
 }
 
-TEST_CASE("device: ranks disagreeing about the operation get a MismatchError naming it", "[device]") {
-  DeviceGroup g(2);
+// Two ranks of group G allreducing 100 and 99 elements: what each op ended with (a MismatchError's
+// message, "other: ..." for another error, "(no error)").
+template <class G>
+std::vector<std::string> disagreeOnNumel(G& g) {
   std::vector<std::string> what(2);
   runRanks(2, [&](int r) {
     void* p = nullptr;
@@ -649,7 +645,14 @@ TEST_CASE("device: ranks disagreeing about the operation get a MismatchError nam
     } catch (const std::exception& e) {
       what[r] = std::string("other: ") + e.what();
     }
+    (void)g.dev.cuda().free(p);
   });
+  return what;
+}
+
+TEST_CASE("device: ranks disagreeing about the operation get a MismatchError naming it", "[device]") {
+  DeviceGroup g(2);
+  const auto what = disagreeOnNumel(g);
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r, what[r]);
     CHECK(what[r].find("element count mismatch") != std::string::npos);
@@ -811,24 +814,7 @@ TEST_CASE("staged: a rank aborting mid-op makes the others fail, not hang", "[de
 
 TEST_CASE("staged: ranks disagreeing about the operation get the host link's MismatchError", "[device][staged]") {
   StagedGroup g(2);
-  std::vector<std::string> what(2);
-  runRanks(2, [&](int r) {
-    void* p = nullptr;
-    g.dev.cuda().malloc(&p, 4000);
-    try {
-      Comm c = g.comm(r);
-      const int64_t count = r == 0 ? 100 : 99;
-      xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, count, 1, 5000), p, count,
-                          DType::Float32, ReduceOp::Sum);
-      g.links[r]->synchronize(after(milliseconds(5000)));
-      what[r] = "(no error)";
-    } catch (const tp::MismatchError& e) {
-      what[r] = e.what();
-    } catch (const std::exception& e) {
-      what[r] = std::string("other: ") + e.what();
-    }
-    (void)g.dev.cuda().free(p);
-  });
+  const auto what = disagreeOnNumel(g);
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r, what[r]);
     CHECK(what[r].find("element count mismatch") != std::string::npos);
