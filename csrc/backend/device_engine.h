@@ -55,7 +55,10 @@ class OpStage {
   virtual std::vector<c10::Device> devices() const { return {}; }
   // Whether copyIn()/copyOut() (or run()) do anything.
   virtual bool copies() const { return false; }
-  // Whether bind() hands back device tensors (the NCCL engine), which the checks then accept.
+  // The engine that runs the op, as records name it: "host" (CPU tensors), "mirror", "staged" or
+  // "nccl" (cuda/cuda_stage.h).
+  virtual const char* engine() const { return "host"; }
+  // Whether bind() hands back device tensors (the NCCL and staged engines), which the checks then accept.
   virtual bool bindsDevice() const { return false; }
 
   // Caller's thread, when the op is queued: the inputs are ready (CUDA: an event on the caller's
@@ -71,7 +74,7 @@ class OpStage {
   virtual void copyIn() {}
   virtual void copyOut() {}
   // Communication thread, inside run()'s body: the Comm the algorithm runs over. `host` is the
-  // group's (the host engines run over it); the NCCL engine returns its device Comm (same ranks
+  // group's (the host engines run over it); the device-link engines (NCCL, staged) return their device Comm (same ranks
   // and ring), making its communicator on the first op (collective: every rank's first CUDA
   // op; c10::Error / TransportError / TimeoutError by ctx.deadline).
   virtual const Comm& comm(const Comm& host, const OpCtx& ctx) {
@@ -99,11 +102,12 @@ class DeviceEngine {
   // `tensors`: the op's (stageFor's argument), from which an engine may pick how to run it.
   virtual std::shared_ptr<OpStage> stage(bool device_link, const std::vector<at::Tensor>& tensors) = 0;
   // Any thread: ends the engine's own communication at once (the group was poisoned or aborted:
-  // a wait on the NCCL link fails now instead of at its deadline); later ops on it fail.
+  // a wait on the NCCL or staged link fails now instead of at its deadline); later ops on it fail.
   virtual void abort(const std::string& why) { (void)why; }
 };
 
-// What the device engines need of their process group (the NCCL engine's communicator).
+// What the device engines need of their process group (the NCCL engine's communicator, the
+// staged engine's shared-memory test).
 struct EngineSetup {
   std::shared_ptr<Store> store;
   std::string key_ns;      // the group creation's store namespace (generation::keyNamespace)
@@ -127,8 +131,8 @@ class DeviceEngines {
 
   // The stage of an op on `tensors` (undefined ones ignored): the CUDA engine's when any is a
   // CUDA tensor, else the host's. Ops without a device path take hostStage() and their checks
-  // reject device tensors. `device_link`: whether the op may run over a device link (NCCL);
-  // point-to-point passes false and gets the host-staged stage whatever XIRANG_CUDA_TRANSPORT is.
+  // reject device tensors. `device_link`: whether the op may run over a device link (NCCL, staged);
+  // point-to-point passes false and gets the mirror stage whatever XIRANG_CUDA_TRANSPORT is.
   // Throws c10::Error when the configured CUDA transport cannot run (engine's stage()).
   std::shared_ptr<OpStage> stageFor(const std::vector<at::Tensor>& tensors, bool device_link = true);
   // DeviceEngine::abort of every engine (any thread).

@@ -99,6 +99,7 @@ c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpS
     op.enqueued = Clock::now();
     op.rec.seq = op.ctx.seq;
     op.rec.group_id = spec.group_id;
+    op.rec.engine = stage->engine();
     op.rec.label = std::move(spec.label);
     op.rec.dtype = dtypeName(spec.dtype);
     op.rec.numel = spec.numel;

@@ -1,10 +1,11 @@
 // The op queue: every collective of a group runs on one communication thread, in the order the
 // caller issued them (every rank issues collectives in the same order, so the sequence number
-// matches them across ranks).
+// matches them across ranks); a small synchronous one that finds the group idle runs in its turn
+// on the caller's thread instead (enqueue()).
 //
 // Three phases per collective, like c10d's ProcessGroupGloo: (1) on the caller's thread the
 // entry point checks the inputs and enqueue() takes the next sequence number, builds the Work
-// and the record; (2) on the communication thread the op's body runs under the caller's
+// and the record; (2) on the communication thread (or inline on the caller's) the op's body runs under the caller's
 // thread-local state and the op's deadline (Membership::run); (3) the Work completes (its
 // profiler range "xirang:<op>" ends) and the record is kept.
 //

@@ -48,6 +48,7 @@ c10::intrusive_ptr<WorkXirang> PointToPoint::post(bool is_send, int peer, int ta
   if (records_.on()) {
     rec.op = opname;
     rec.algorithm = "p2p";
+    rec.engine = stage->engine();
     rec.dtype = dtypeName(toDType(t.scalar_type()));
     rec.numel = static_cast<uint64_t>(t.numel());
     rec.t_enqueue = records_.since(t0);

@@ -108,6 +108,7 @@ inline std::string efOpName(codec::Wire w) { return std::string("allreduce_") + 
   X(double, total_s, 0)                                                                               \
   X(bool, ok, true)                                                                                   \
   X(bool, on_caller, false)                   /* ran on the caller's thread (OpQueue::enqueue) */      \
+  X(std::string, engine, )                    /* "host"; CUDA: "mirror", "staged", "nccl" (OpStage) */ \
   X(std::optional<double>, exposed_wait_s, )  /* WaitClock: unset (null, None) = unknown */           \
   X(std::vector<PeerRecord>, peers, )         /* per peer this rank exchanged with */
 

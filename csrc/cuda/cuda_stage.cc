@@ -27,7 +27,7 @@
 namespace xirang::cudastage {
 
 namespace {
-// XIRANG_CUDA_TRANSPORT: "auto" (default) and "host" -> Host, "nccl" -> Nccl; anything else
+// XIRANG_CUDA_TRANSPORT: "auto" (default) and "host" -> Host, "mirror" -> Mirror, "nccl" -> Nccl; anything else
 // throws c10::Error naming `rank` and the accepted values.
 Transport transportSetting(int rank) {
   const std::string t = env::get("XIRANG_CUDA_TRANSPORT");  // declared in core/env.cc
@@ -196,7 +196,8 @@ bool Stage::query() {
 // tensors themselves. The device and stream are fixed by the first bind (caller's thread), the
 // link made by the first op (comm thread).
 struct LinkDevice {
-  LinkDevice(const EngineSetup& s, std::string transport) : setup(s), transport(std::move(transport)) {}
+  LinkDevice(const EngineSetup& s, std::string transport, const char* engine)
+      : setup(s), transport(std::move(transport)), engine(engine) {}
   virtual ~LinkDevice();
   LinkDevice(const LinkDevice&) = delete;
   LinkDevice& operator=(const LinkDevice&) = delete;
@@ -218,6 +219,7 @@ struct LinkDevice {
 
   const EngineSetup setup;
   const std::string transport;  // "XIRANG_CUDA_TRANSPORT=nccl", ...: for messages
+  const char* const engine;      // records' name: "nccl", "staged"
   std::mutex mu;  // device, stream, link, why
   c10::Device device{c10::kCPU};
   cudaStream_t raw = nullptr;  // never destroyed: tensors recorded on it may be freed after the group
@@ -313,7 +315,7 @@ void LinkDevice::interrupt(const std::string& w) {
 
 // The NCCL engine's: the group's own communicator (see cuda_stage.h).
 struct NcclDevice : LinkDevice {
-  explicit NcclDevice(const EngineSetup& s) : LinkDevice(s, "XIRANG_CUDA_TRANSPORT=nccl") {}
+  explicit NcclDevice(const EngineSetup& s) : LinkDevice(s, "XIRANG_CUDA_TRANSPORT=nccl", "nccl") {}
   transport::NcclLink& nccl() { return static_cast<transport::NcclLink&>(*link); }
   void synchronize(transport::Deadline deadline) override { nccl().synchronize(deadline); }
   void failed() override {
@@ -358,7 +360,7 @@ struct NcclDevice : LinkDevice {
 
 // The staged engine's: the group's TCP link under a StagedLink (see cuda_stage.h).
 struct StagedDevice : LinkDevice {
-  explicit StagedDevice(const EngineSetup& s) : LinkDevice(s, "XIRANG_CUDA_TRANSPORT=host") {}
+  explicit StagedDevice(const EngineSetup& s) : LinkDevice(s, "XIRANG_CUDA_TRANSPORT=host", "staged") {}
   transport::StagedLink& staged() { return static_cast<transport::StagedLink&>(*link); }
   void synchronize(transport::Deadline deadline) override { staged().synchronize(deadline); }
 
@@ -379,6 +381,8 @@ DeviceStage::DeviceStage(Streams& streams, std::shared_ptr<LinkDevice> dev) : St
 DeviceStage::~DeviceStage() = default;
 
 c10::cuda::CUDAStream DeviceStage::sideStream(c10::Device device) { return dev_->streamFor(device); }
+
+const char* DeviceStage::engine() const { return entries_.empty() ? "host" : dev_->engine; }
 
 at::Tensor DeviceStage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
   if (!t.defined()) return t;

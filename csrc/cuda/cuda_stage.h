@@ -8,7 +8,8 @@
 // stream, over a transport::StagedLink on the group's TCP link: only the bytes an algorithm
 // sends cross to the host, through pinned staging buffers (the wire format's: bf16 codes for the
 // hook's op, half of fp32 mirrors, and no CPU codec). It fits an op whose tensors are all on one
-// CUDA device (the group's first such op fixes it; no CPU tensor, not even an empty one), in a
+// CUDA device (strided; the group's first such op fixes the device; no CPU tensor, not even an
+// empty one), in a
 // group that is not elastic and whose
 // ranks do not share this rank's host memory (no shared-memory domain: there the bytes go
 // through host memory anyway, and the mirror engine's shared-memory algorithms move them);
@@ -42,15 +43,15 @@
 // The NCCL communicator: one per group, made at the group's first NCCL op (rank 0's unique id under
 // the store key <creation namespace>/nccl/<group>/epoch0; non-blocking init, bounded by that
 // op's deadline), on the device of that op's tensors; its ranks are the group's. Its stream is
-// the engine's own (not a pool stream shared with the host-staged point-to-point ops or other
+// the engine's own (not a pool stream shared with the mirror engine's point-to-point ops or other
 // groups, whose waits could otherwise queue behind an NCCL receive). A poisoned or aborted group
 // interrupts its link (DeviceEngine::abort, any thread), so this rank's NCCL wait fails at once;
 // the comm thread then aborts the communicator (only it calls into NCCL). A rank blocked in NCCL
 // on a peer that failed elsewhere learns it from the group's store abort note, polled every
 // 200 ms of a wait (NcclLink::setStopCheck).
 // Not yet: NCCL in elastic mode (a rebuilt ring needs a new communicator: refused with a clear
-// error), several devices per group over NCCL, and "auto" choosing NCCL (it stays host-staged until
-// the GPU script tests/gpu/run_checks.sh has run this engine on a GPU).
+// error), several devices per group over NCCL, and "auto" choosing NCCL (auto takes the host-staged
+// engines, which have not run on a GPU either).
 //
 // Side streams: the mirror engine's, one per device and process group (c10::cuda::getStreamFromPool),
 // made on first use; the device-link engines', one of their own each. Nothing here makes a CUDA
@@ -100,6 +101,7 @@ class Stage : public OpStage {
   // The op's device, once a CUDA tensor was bound.
   std::vector<c10::Device> devices() const override;
   bool copies() const override { return !entries_.empty(); }
+  const char* engine() const override { return entries_.empty() ? "host" : "mirror"; }
 
   // Caller's thread, when the op is queued.
   void queued() override;
@@ -149,6 +151,7 @@ class DeviceStage : public Stage {
   // caller's thread, before the op is queued.
   at::Tensor bind(const at::Tensor& t, bool copy_in, bool copy_out) override;
   bool bindsDevice() const override { return true; }
+  const char* engine() const override;
   void run(const std::function<void()>& body) override;
   const Comm& comm(const Comm& host, const OpCtx& ctx) override;
 

@@ -70,7 +70,9 @@ def stats(process_group=None, gather: bool = False):
     same-host shared memory, XIRANG_TRANSPORT_LOCAL), bytes_cross_host, bytes_cross_rack, t_enqueue, queued_s, pack_s (the hook's op:
     its gradients copied into the group's buffers), encode_s, scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok,
     on_caller (True: a small synchronous operation that found the group idle ran on the caller's
-    own thread, see XIRANG_SMALL_BYTES), peers, exposed_wait_s.
+    own thread, see XIRANG_SMALL_BYTES), engine ("host" for CPU tensors; CUDA tensors: "mirror"
+    (pinned host mirrors and the CPU engine), "staged" (device kernels, the bytes sent staged
+    through pinned memory) or "nccl"), peers, exposed_wait_s.
 
     exposed_wait_s: seconds the caller's threads spent blocked in ``Work.wait()`` on the operation
     (the exposed part of its communication), as of this call; None while no ``Work.wait()`` has

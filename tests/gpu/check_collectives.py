@@ -8,7 +8,9 @@ on one GPU) the NCCL engine.
 Each rank runs every op twice, on CUDA tensors and on CPU copies of the same inputs (the CPU
 path is the reference: same algorithm, so the results must be bitwise equal), then an allreduce
 issued while the caller's stream is still writing the input (torch.cuda._sleep, then an in-place
-add): the result must come from the finished values. Rank 0 writes OUT_DIR/collectives.json (collectives-nccl.json under XIRANG_CUDA_TRANSPORT=nccl).
+add): the result must come from the finished values. Rank 0 writes OUT_DIR/collectives.json
+(collectives-nccl.json under XIRANG_CUDA_TRANSPORT=nccl, collectives-staged.json under
+XIRANG_TRANSPORT_LOCAL=tcp).
 """
 import datetime
 import json
@@ -132,6 +134,12 @@ def worker(rank, world, port, out, q):
         dist.all_reduce(y)
         y.mul_(2)
         results["allreduce_then_inplace"] = bool((y == 2.0 * sum(range(world))).all().item())
+        # Which engine ran the CUDA ops (records): staged where XIRANG_TRANSPORT_LOCAL=tcp, nccl under
+        # XIRANG_CUDA_TRANSPORT=nccl, else mirror (the ranks share host memory).
+        want = ("nccl" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl"
+                else "staged" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "mirror")
+        engines = sorted({r["engine"] for r in xirang.stats() if r["engine"] != "host"})
+        results[f"engine is {want} (records: {engines})"] = engines == [want]
         dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001

@@ -1,6 +1,6 @@
 """GPU check of xirang.fsdp (issue #15 / #20, item 4): FSDP2's compressed reduce-scatter on CUDA tensors.
 
-    python tests/gpu/check_fsdp.py OUT_DIR [WORLD]          # ranks share GPU 0 (host-staged engine)
+    python tests/gpu/check_fsdp.py OUT_DIR [WORLD]          # ranks share GPU 0 (the mirror engine)
     python tests/gpu/check_fsdp.py OUT_DIR [WORLD] --cpu    # the same script on CPU tensors (a dry run
                                                             # of its logic where there is no GPU)
 

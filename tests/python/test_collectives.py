@@ -948,6 +948,7 @@ def w_sync_on_caller():
     dist.barrier()
     recs = xirang.stats()
     out["recs"] = [(x["seq"], x["op"], x["numel"], x["on_caller"], x["exposed_wait_s"]) for x in recs[-5:]]
+    out["engines"] = sorted({x["engine"] for x in recs})
     return out
 
 
@@ -970,3 +971,4 @@ def test_small_sync_ops_run_on_the_callers_thread_in_order():
                        ("all_reduce", 10, False), ("barrier", 1, True)], recs
         # the inline op's whole 100 ms (the test delay) counts as the caller's exposed wait
         assert recs[0][4] is not None and recs[0][4] >= 0.09, recs
+        assert o["engines"] == ["host"], o["engines"]  # CPU tensors: the host engine ran every op

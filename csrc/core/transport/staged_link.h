@@ -2,8 +2,9 @@
 // device memory, and bytes cross to the host only as the algorithm sends them, in the wire format
 // it sends (bf16 codes for the hook's error-feedback op, not fp32 mirrors of whole tensors), while
 // every reduction, codec step and copy runs on the device (the algorithm's reducer:
-// algorithms/device_reducer.h, on this link's stream). It is how GPUs without NCCL between them,
-// e.g. several ranks sharing one GPU, run the same device code as the NCCL engine.
+// algorithms/device_reducer.h, on this link's stream). It is how GPUs without NCCL between them
+// (ranks on different hosts; ranks sharing one GPU with XIRANG_TRANSPORT_LOCAL=tcp) run the same
+// device code as the NCCL engine.
 //
 // One exchange:
 //   1. every send segment is copied device-to-host into a pinned staging buffer on the stream,

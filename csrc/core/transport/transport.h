@@ -12,7 +12,8 @@
 // device link over a host link, staging only the bytes sent through pinned host memory. For a device link "done" below
 // means "ordered on the stream": exchange() returns once the transfers are enqueued, on_segment
 // runs when segment i's receive is enqueued (the work it enqueues runs after the bytes landed and
-// before segment i+1 is received), and completion is the stream's (nccl_link.h: synchronize).
+// before segment i+1 is received), and completion is the stream's (nccl_link.h, staged_link.h:
+// synchronize; the staged link's exchange() returns once its host exchange is done).
 #pragma once
 
 #include <cstdint>
