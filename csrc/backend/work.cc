@@ -1,8 +1,13 @@
 #include "backend/work.h"
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <thread>
+
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "backend/completions.h"
 #include "backend/tensors.h"
@@ -80,13 +85,75 @@ void Coalescing::start(int rank) {
   works_.clear();
 }
 
+namespace {
+// The stage of a coalesced batch's Work: the members' devices, and an event per member and
+// device recorded where that member's values are ready (in its Future's callback, whose current
+// streams c10 has made wait for the member). Host-only batches hold no events and behave as
+// hostStage().
+class BatchStage : public OpStage {
+ public:
+  explicit BatchStage(std::vector<c10::Device> devices) : devices_(std::move(devices)) {}
+  std::vector<c10::Device> devices() const override { return devices_; }
+
+  // A member's Future callback (its current streams wait for the member): an event per device.
+  void memberDone(const c10::ivalue::Future& f) {
+    for (const c10::Device& d : f.devices()) {
+      c10::impl::VirtualGuardImpl impl(d.type());
+      c10::Event e(d.type());
+      e.record(impl.getStream(d));
+      std::lock_guard<std::mutex> g(mu_);
+      events_.push_back(std::move(e));
+    }
+  }
+  // The batch's Future, on fresh pool streams that wait for every member's event (c10 records
+  // the Future's own events on them).
+  void completeFuture(const c10::intrusive_ptr<c10::ivalue::Future>& fut, c10::IValue value) override {
+    if (devices_.empty()) {
+      fut->markCompleted(std::move(value));
+      return;
+    }
+    std::vector<c10::Stream> streams;
+    for (const c10::Device& d : devices_) streams.push_back(c10::impl::VirtualGuardImpl(d.type()).getStreamFromGlobalPool(d));
+    c10::MultiStreamGuard guard(streams);
+    waitOnCurrentStreams();
+    fut->markCompleted(std::move(value));
+  }
+  // Work.wait() / synchronize(): the caller's current streams wait for every member.
+  void block() override { waitOnCurrentStreams(); }
+  bool query() override {
+    std::lock_guard<std::mutex> g(mu_);
+    for (const auto& e : events_)
+      if (!e.query()) return false;
+    return true;
+  }
+
+ private:
+  void waitOnCurrentStreams() {
+    std::lock_guard<std::mutex> g(mu_);
+    for (const auto& e : events_) {
+      const c10::Device d(e.device_type(), e.device_index());
+      e.block(c10::impl::VirtualGuardImpl(d.type()).getStream(d));
+    }
+  }
+
+  std::vector<c10::Device> devices_;
+  std::mutex mu_;
+  std::vector<c10::Event> events_;
+};
+}  // namespace
+
 c10::intrusive_ptr<WorkXirang> Coalescing::end(int rank, const std::string& group_name) {
   XR_CHECK(rank, open_, "endCoalescing without startCoalescing");
   open_ = false;
   auto works = std::move(works_);
   works_.clear();
+  std::vector<c10::Device> devices;
+  for (auto& w : works)
+    for (const c10::Device& d : w->getFuture()->devices())
+      if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+  auto stage = std::make_shared<BatchStage>(devices);
   auto batch = c10::make_intrusive<WorkXirang>(rank, c10d::OpType::COALESCED, "xirang:coalesced",
-                                               std::vector<at::Tensor>{}, std::nullopt, hostStage());
+                                               std::vector<at::Tensor>{}, std::nullopt, stage);
   batch->desc_ = rankPrefix(rank) + "coalesced batch of " + std::to_string(works.size()) +
                  " operations (group '" + group_name + "')";
   if (works.empty()) {
@@ -101,10 +168,12 @@ c10::intrusive_ptr<WorkXirang> Coalescing::end(int rank, const std::string& grou
   auto left = std::make_shared<Left>();
   left->n = works.size();
   for (auto& w : works) {
-    w->getFuture()->addCallback([left, batch](c10::ivalue::Future& f) {
+    w->getFuture()->addCallback([left, batch, stage](c10::ivalue::Future& f) {
       if (f.hasError()) {
         std::lock_guard<std::mutex> g(left->mu);
         if (!left->first) left->first = f.exception_ptr();
+      } else {
+        stage->memberDone(f);
       }
       if (--left->n == 0) batch->complete(left->first);
     });

@@ -38,8 +38,8 @@ class WorkXirang : public c10d::Work {
 
   std::string desc_;  // "xirang rank R: <op> (op #seq, ...)" for messages
   int source_rank_ = -1;
-  std::shared_ptr<WaitClock> wait_clock_;
-  std::chrono::microseconds spin_{0};  // wait() polls this long before it sleeps (XIRANG_SPIN_US)  // null when the group keeps no records (XIRANG_STATS=0)
+  std::shared_ptr<WaitClock> wait_clock_;  // null when the group keeps no records (XIRANG_STATS=0)
+  std::chrono::microseconds spin_{0};      // wait() polls this long before it sleeps (XIRANG_SPIN_US)
 
  private:
   void completeNow(std::exception_ptr error);
@@ -48,13 +48,16 @@ class WorkXirang : public c10d::Work {
   std::shared_ptr<OpStage> stage_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::mutex future_mu_;
-  bool future_handed_ = false;
-  std::atomic<bool> done_{false};  // completeNow() is finishing it: wait() may stop spinning  // getFuture() was called: callbacks may be attached
+  bool future_handed_ = false;     // getFuture() was called: callbacks may be attached
+  std::atomic<bool> done_{false};  // completeNow() is finishing it: wait() may stop spinning
 };
 
 // Coalescing (batch_isend_irecv, the coalescing manager): the Works of the operations issued
 // between start() and end(), which run as they are issued (point-to-point ones concurrently,
-// collectives in order).
+// collectives in order). The batch's Work stands for all of them, on the device too: its
+// Future's devices are the members' (their union), and its wait()/synchronize() and Future make
+// the caller's current streams wait for every member's copies and kernels, as each member's own
+// would (CUDA: events recorded in the members' Future callbacks; nothing for host tensors).
 class Coalescing {
  public:
   // Throws c10::Error naming the rank when a batch is already open / none is.

@@ -8,7 +8,8 @@ on one GPU) the NCCL engine.
 Each rank runs every op twice, on CUDA tensors and on CPU copies of the same inputs (the CPU
 path is the reference: same algorithm, so the results must be bitwise equal), then an allreduce
 issued while the caller's stream is still writing the input (torch.cuda._sleep, then an in-place
-add): the result must come from the finished values. Rank 0 writes OUT_DIR/collectives.json
+add): the result must come from the finished values; likewise for a coalesced batch's Work (two
+allreduces, and a batch_isend_irecv ring shift). Rank 0 writes OUT_DIR/collectives.json
 (collectives-nccl.json under XIRANG_CUDA_TRANSPORT=nccl, collectives-staged.json under
 XIRANG_TRANSPORT_LOCAL=tcp).
 """
@@ -140,6 +141,27 @@ def worker(rank, world, port, out, q):
                 else "staged" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "mirror")
         engines = sorted({r["engine"] for r in xirang.stats() if r["engine"] != "host"})
         results[f"engine is {want} (records: {engines})"] = engines == [want]
+        # A coalesced batch's Work stands for its members on the device too: after its wait() the
+        # current stream sees every member's values (inputs written late by a long kernel).
+        a, b = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        torch.cuda._sleep(int(5e8))
+        a.add_(rank + 1.0)
+        b.add_(2.0 * (rank + 1))
+        with dist._coalescing_manager(device=dev, async_ops=True) as cm:
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+        cm.wait()
+        results["coalesced_batch_wait"] = bool((a == expect).all().item() and (b == 2 * expect).all().item())
+        if world > 1:  # point-to-point (the mirror stage): a ring shift in one batch_isend_irecv
+            send = torch.zeros(n, device=dev)
+            torch.cuda._sleep(int(5e8))
+            send.add_(rank + 1.0)
+            recv = torch.empty(n, device=dev)
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % world),
+                                           dist.P2POp(dist.irecv, recv, (rank - 1) % world)])
+            for r in reqs:
+                r.wait()
+            results["batch_isend_irecv_wait"] = bool((recv == float((rank - 1) % world + 1)).all().item())
         dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
