@@ -74,9 +74,9 @@ class OpStage {
   virtual void copyIn() {}
   virtual void copyOut() {}
   // Communication thread, inside run()'s body: the Comm the algorithm runs over. `host` is the
-  // group's (the host engines run over it); the device-link engines (NCCL, staged) return their device Comm (same ranks
-  // and ring), making its communicator on the first op (collective: every rank's first CUDA
-  // op; c10::Error / TransportError / TimeoutError by ctx.deadline).
+  // group's (the host engines run over it); the device-link engines (NCCL, staged) return their
+  // device Comm (same ranks and ring), making its communicator on the first op (collective: every
+  // rank's first CUDA op; c10::Error / TransportError / TimeoutError by ctx.deadline).
   virtual const Comm& comm(const Comm& host, const OpCtx& ctx) {
     (void)ctx;
     return host;

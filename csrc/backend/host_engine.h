@@ -1,11 +1,12 @@
 // The host engine (device_engine.h): the body of every operation on host tensors, run on the
-// communication thread (a small synchronous one: on the caller's, op_queue.h) by the collectives of the op's transport (core/planner.h: collectivesFor:
-// shared memory, core/algorithms/shm.h, when comm.shm is set, else comm.link's engine,
-// core/collectives.h); the results are bitwise the same, except the hook's op, which is fp32 over
-// shared memory (no BF16 rounding; the new residual is 0). The c10d entry points have
-// checked the arguments; these functions stage non-contiguous tensors into contiguous buffers,
-// call the algorithm and write the results back. The CUDA engines run the same functions: the
-// mirror engine on its pinned host mirrors, the staged and NCCL engines on the device tensors.
+// communication thread (a small synchronous one: on the caller's, op_queue.h) by the collectives of
+// the op's transport (core/planner.h: collectivesFor: shared memory, core/algorithms/shm.h, when
+// comm.shm is set, else comm.link's engine, core/collectives.h); the results are bitwise the same,
+// except the hook's op, which is fp32 over shared memory (no BF16 rounding; the new residual is 0).
+// The c10d entry points have checked the arguments; these functions stage non-contiguous tensors
+// into contiguous buffers, call the algorithm and write the results back. The CUDA engines run the
+// same functions: the mirror engine on its pinned host mirrors, the staged and NCCL engines on the
+// device tensors.
 //
 // `size` is the group's world size (buffers hold one block per group rank); comm.ring the ranks
 // taking part (fewer after an elastic membership change).

@@ -3,10 +3,10 @@
 // matches them across ranks); a small synchronous one that finds the group idle runs in its turn
 // on the caller's thread instead (enqueue()).
 //
-// Three phases per collective, like c10d's ProcessGroupGloo: (1) on the caller's thread the
-// entry point checks the inputs and enqueue() takes the next sequence number, builds the Work
-// and the record; (2) on the communication thread (or inline on the caller's) the op's body runs under the caller's
-// thread-local state and the op's deadline (Membership::run); (3) the Work completes (its
+// Three phases per collective, like c10d's ProcessGroupGloo: (1) on the caller's thread the entry
+// point checks the inputs and enqueue() takes the next sequence number, builds the Work and the
+// record; (2) on the communication thread (or inline on the caller's) the op's body runs under the
+// caller's thread-local state and the op's deadline (Membership::run); (3) the Work completes (its
 // profiler range "xirang:<op>" ends) and the record is kept.
 //
 // Failure model (fail-fast): the first error in any operation (peer closed, mismatch, timeout)

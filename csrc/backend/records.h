@@ -27,15 +27,14 @@ inline int64_t steadyNs(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
 
-// How long the caller blocked in Work.wait() on one operation: its exposed wait. Shared by the
-// Work and the operation's record, because the record is taken when the operation completes
-// while a wait ends later (after the wake-up) or only begins later (an async op waited on after
-// other work). Counted: every WorkXirang::wait() call, which is what torch.distributed's
-// synchronous collectives (async_op=False) and Work.wait() run, and the whole of a synchronous
-// operation the caller ran on its own thread (OpQueue::enqueue's inline path). Not counted: waits on the Work's
-// Future (fut.wait(), DDP waiting on comm-hook futures at the end of backward), polling
-// is_completed(), and on CUDA the caller's stream waiting for the copies back (the CPU does not
-// block on it).
+// How long the caller blocked in Work.wait() on one operation: its exposed wait. Shared by the Work
+// and the operation's record, because the record is taken when the operation completes while a wait
+// ends later (after the wake-up) or only begins later (an async op waited on after other work).
+// Counted: every WorkXirang::wait() call, which is what torch.distributed's synchronous collectives
+// (async_op=False) and Work.wait() run, and the whole of a synchronous operation the caller ran on
+// its own thread (OpQueue::enqueue's inline path). Not counted: waits on the Work's Future
+// (fut.wait(), DDP waiting on comm-hook futures at the end of backward), polling is_completed(),
+// and on CUDA the caller's stream waiting for the copies back (the CPU does not block on it).
 struct WaitClock {
   std::atomic<int64_t> blocked_ns{0};  // summed over the Work.wait() calls that returned
   std::atomic<int64_t> since_ns{0};    // steady-clock ns at which a wait in progress began; 0: none

@@ -113,7 +113,8 @@ class BatchStage : public OpStage {
       return;
     }
     std::vector<c10::Stream> streams;
-    for (const c10::Device& d : devices_) streams.push_back(c10::impl::VirtualGuardImpl(d.type()).getStreamFromGlobalPool(d));
+    for (const c10::Device& d : devices_)
+      streams.push_back(c10::impl::VirtualGuardImpl(d.type()).getStreamFromGlobalPool(d));
     c10::MultiStreamGuard guard(streams);
     waitOnCurrentStreams();
     fut->markCompleted(std::move(value));

@@ -3,17 +3,15 @@
 // "host" the host-staged engines, "mirror" the mirror engine only, "nccl" the NCCL engine;
 // point-to-point takes the mirror engine in every case.
 //
-// Staged (auto / host, where it fits): the core's algorithms run on the user's tensors
-// themselves with the device reducer's kernels (algorithms/device_reducer.h) on the engine's
-// stream, over a transport::StagedLink on the group's TCP link: only the bytes an algorithm
-// sends cross to the host, through pinned staging buffers (the wire format's: bf16 codes for the
-// hook's op, half of fp32 mirrors, and no CPU codec). It fits an op whose tensors are all on one
-// CUDA device (strided; the group's first such op fixes the device; no CPU tensor, not even an
-// empty one), in a
-// group that is not elastic and whose
-// ranks do not share this rank's host memory (no shared-memory domain: there the bytes go
-// through host memory anyway, and the mirror engine's shared-memory algorithms move them);
-// other ops take the mirror engine. Same stage discipline as NCCL below.
+// Staged (auto / host, where it fits): the core's algorithms run on the user's tensors themselves
+// with the device reducer's kernels (algorithms/device_reducer.h) on the engine's stream, over a
+// transport::StagedLink on the group's TCP link: only the bytes an algorithm sends cross to the
+// host, through pinned staging buffers (the wire format's: bf16 codes for the hook's op, half of
+// fp32 mirrors, and no CPU codec). It fits an op whose tensors are all on one CUDA device (strided;
+// the group's first such op fixes the device; no CPU tensor, not even an empty one), in a group
+// that is not elastic and whose ranks do not share this rank's host memory (no shared-memory
+// domain: there the bytes go through host memory anyway, and the mirror engine's shared-memory
+// algorithms move them); other ops take the mirror engine. Same stage discipline as NCCL below.
 //
 // Mirror (host-staged with whole-tensor mirrors): one operation on CUDA tensors runs the host
 // engine's algorithm on pinned host mirrors:

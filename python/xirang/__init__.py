@@ -67,19 +67,21 @@ def stats(process_group=None, gather: bool = False):
     Each record is a dict: seq, op, algorithm, group_id (the hook's layer group, -1 otherwise),
     label (the group's layer names), dtype, numel, bytes_raw, bytes_wire (payload bytes this rank
     sent; headers excluded), bytes_tcp and bytes_shm (of them, over TCP sockets / written into the
-    same-host shared memory, XIRANG_TRANSPORT_LOCAL), bytes_cross_host, bytes_cross_rack, t_enqueue, queued_s, pack_s (the hook's op:
-    its gradients copied into the group's buffers), encode_s, scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok,
-    on_caller (True: a small synchronous operation that found the group idle ran on the caller's
-    own thread, see XIRANG_SMALL_BYTES), engine ("host" for CPU tensors; CUDA tensors: "mirror"
-    (pinned host mirrors and the CPU engine), "staged" (device kernels, the bytes sent staged
-    through pinned memory) or "nccl"), peers, exposed_wait_s.
+    same-host shared memory, XIRANG_TRANSPORT_LOCAL), bytes_cross_host, bytes_cross_rack, t_enqueue,
+    queued_s, pack_s (the hook's op: its gradients copied into the group's buffers), encode_s,
+    scatter_reduce_s, allgather_s, decode_s, total_s (seconds), ok, on_caller (True: a small
+    synchronous operation that found the group idle ran on the caller's own thread, see
+    XIRANG_SMALL_BYTES), engine ("host" for CPU tensors; CUDA tensors: "mirror" (pinned host mirrors
+    and the CPU engine), "staged" (device kernels, the bytes sent staged through pinned memory) or
+    "nccl"), peers, exposed_wait_s.
 
     exposed_wait_s: seconds the caller's threads spent blocked in ``Work.wait()`` on the operation
     (the exposed part of its communication), as of this call; None while no ``Work.wait()`` has
-    begun. Counted: ``work.wait()`` and the synchronous collectives (``async_op=False``, which
-    call it; for one that ran on the caller's thread, all of its time). Not counted: ``work.get_future().wait()`` and so DDP's wait on comm-hook futures at
-    the end of backward (the report estimates those), ``is_completed()`` polling, and on CUDA
-    the stream wait (the CPU does not block). Two threads waiting on one Work count twice.
+    begun. Counted: ``work.wait()`` and the synchronous collectives (``async_op=False``, which call
+    it; for one that ran on the caller's thread, all of its time). Not counted:
+    ``work.get_future().wait()`` and so DDP's wait on comm-hook futures at the end of backward (the
+    report estimates those), ``is_completed()`` polling, and on CUDA the stream wait (the CPU does
+    not block). Two threads waiting on one Work count twice.
     The JSON lines (``XIRANG_STATS_DIR``) are written when the operation completes and carry what
     was known then: the blocked time up to completion if a caller was already waiting (short of
     the wake-up, microseconds), else null, also for a wait that begins later.

@@ -146,12 +146,12 @@ def _labels(C) -> tuple:
 
 
 def _shared_settings(C, opts, local: str, order: str, elastic: bool, heartbeat_s: float) -> dict:
-    """The settings every rank of a group must share, as this rank resolved them: knob name (or
-    the Options field and its knob) -> value. Compared across the ranks at creation, resolved so
-    that spellings of one setting agree ("64K" and "65536"; XIRANG_CUDA_TRANSPORT auto, host and
-    mirror: auto is host, and the staged and mirror engines send the same frames over TCP). Not here: what may differ per host
-    (XIRANG_SHM_BYTES: the ranks of one host use the value of the one that creates their segment)
-    or per rank."""
+    """The settings every rank of a group must share, as this rank resolved them: knob name (or the
+    Options field and its knob) -> value. Compared across the ranks at creation, resolved so that
+    spellings of one setting agree ("64K" and "65536"; XIRANG_CUDA_TRANSPORT auto, host and mirror:
+    auto is host, and the staged and mirror engines send the same frames over TCP). Not here: what
+    may differ per host (XIRANG_SHM_BYTES: the ranks of one host use the value of the one that
+    creates their segment) or per rank."""
     algorithm = opts.algorithm if opts.algorithm != "auto" else C.env_get("XIRANG_ALGO")
     cuda = C.env_get("XIRANG_CUDA_TRANSPORT")
     shared = {

@@ -5,15 +5,15 @@
 // (tcp.h) is one implementation, the in-process one (inproc.h, threads as ranks) another, and a
 // shared-memory or NCCL link is one more file here.
 //
-// Memory: the segments of a step are in the memory the link moves (memory()): host memory for
-// TCP and in-process links; a device link (NCCL: nccl_link.h) takes device pointers and orders
-// its transfers on a stream, and the algorithm's reducer (core/algorithms/reducer.h) is then a
-// device reducer on that stream (algorithms/device_reducer.h); the staged link (staged_link.h) is a
-// device link over a host link, staging only the bytes sent through pinned host memory. For a device link "done" below
-// means "ordered on the stream": exchange() returns once the transfers are enqueued, on_segment
-// runs when segment i's receive is enqueued (the work it enqueues runs after the bytes landed and
-// before segment i+1 is received), and completion is the stream's (nccl_link.h, staged_link.h:
-// synchronize; the staged link's exchange() returns once its host exchange is done).
+// Memory: the segments of a step are in the memory the link moves (memory()): host memory for TCP
+// and in-process links; a device link (NCCL: nccl_link.h) takes device pointers and orders its
+// transfers on a stream, and the algorithm's reducer (core/algorithms/reducer.h) is then a device
+// reducer on that stream (algorithms/device_reducer.h); the staged link (staged_link.h) is a device
+// link over a host link, staging only the bytes sent through pinned host memory. For a device link
+// "done" below means "ordered on the stream": exchange() returns once the transfers are enqueued,
+// on_segment runs when segment i's receive is enqueued (the work it enqueues runs after the bytes
+// landed and before segment i+1 is received), and completion is the stream's (nccl_link.h,
+// staged_link.h: synchronize; the staged link's exchange() returns once its host exchange is done).
 #pragma once
 
 #include <cstdint>
