@@ -4,6 +4,7 @@ the GPU over a StagedLink), or (with XIRANG_CUDA_TRANSPORT=nccl, WORLD 1: NCCL r
 on one GPU) the NCCL engine.
 
     python tests/gpu/check_collectives.py OUT_DIR [WORLD]
+    python tests/gpu/check_collectives.py OUT_DIR [WORLD] --cpu   # a dry run on CPU tensors (CI)
 
 Each rank runs every op twice, on CUDA tensors and on CPU copies of the same inputs (the CPU
 path is the reference: same algorithm, so the results must be bitwise equal), then an allreduce
@@ -11,7 +12,9 @@ issued while the caller's stream is still writing the input (torch.cuda._sleep, 
 add): the result must come from the finished values; likewise for a coalesced batch's Work (two
 allreduces, and a batch_isend_irecv ring shift). Rank 0 writes OUT_DIR/collectives.json
 (collectives-nccl.json under XIRANG_CUDA_TRANSPORT=nccl, collectives-staged.json under
-XIRANG_TRANSPORT_LOCAL=tcp).
+XIRANG_TRANSPORT_LOCAL=tcp). With --cpu the "device" tensors are CPU tensors (no producer kernel:
+the checks cannot see a missing stream wait there) and the engine expected is "host": a dry run
+of the script itself, run by test_collectives::test_gpu_collectives_check_dry_run.
 """
 import datetime
 import json
@@ -25,15 +28,20 @@ import torch.distributed as dist
 import ranks  # tests/gpu/ranks.py
 
 
-def worker(rank, world, port, out, q):
+def worker(rank, world, port, out, cpu, q):
     import xirang  # noqa: F401  (registers the backend)
 
     results = {}
     try:
         dist.init_process_group("xirang", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
-        dev = torch.device("cuda", 0)
-        torch.cuda.set_device(dev)
+        dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+        if not cpu:
+            torch.cuda.set_device(dev)
+
+        def late_producer():  # ~0.25 s of GPU time before the caller's next kernel runs
+            if not cpu:
+                torch.cuda._sleep(int(5e8))
         g = torch.Generator().manual_seed(100 + rank)
         root = min(1, world - 1)  # the rooted ops' root
 
@@ -124,7 +132,7 @@ def worker(rank, world, port, out, q):
         # producer still running on the current stream when allreduce is called
         n = 1 << 22
         x = torch.zeros(n, device=dev)
-        torch.cuda._sleep(int(5e8))  # ~0.25 s of GPU time before the add below runs
+        late_producer()
         x.add_(rank + 1.0)
         w = dist.all_reduce(x, async_op=True)
         w.wait()  # the current stream waits for the copies back; then read on it
@@ -137,14 +145,14 @@ def worker(rank, world, port, out, q):
         results["allreduce_then_inplace"] = bool((y == 2.0 * sum(range(world))).all().item())
         # Which engine ran the CUDA ops (records): staged where XIRANG_TRANSPORT_LOCAL=tcp, nccl under
         # XIRANG_CUDA_TRANSPORT=nccl, else mirror (the ranks share host memory).
-        want = ("nccl" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl"
+        want = ("host" if cpu else "nccl" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl"
                 else "staged" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "mirror")
-        engines = sorted({r["engine"] for r in xirang.stats() if r["engine"] != "host"})
+        engines = sorted({r["engine"] for r in xirang.stats() if cpu or r["engine"] != "host"})
         results[f"engine is {want} (records: {engines})"] = engines == [want]
         # A coalesced batch's Work stands for its members on the device too: after its wait() the
         # current stream sees every member's values (inputs written late by a long kernel).
         a, b = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
-        torch.cuda._sleep(int(5e8))
+        late_producer()
         a.add_(rank + 1.0)
         b.add_(2.0 * (rank + 1))
         with dist._coalescing_manager(device=dev, async_ops=True) as cm:
@@ -154,7 +162,7 @@ def worker(rank, world, port, out, q):
         results["coalesced_batch_wait"] = bool((a == expect).all().item() and (b == 2 * expect).all().item())
         if world > 1:  # point-to-point (the mirror stage): a ring shift in one batch_isend_irecv
             send = torch.zeros(n, device=dev)
-            torch.cuda._sleep(int(5e8))
+            late_producer()
             send.add_(rank + 1.0)
             recv = torch.empty(n, device=dev)
             reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % world),
@@ -170,10 +178,12 @@ def worker(rank, world, port, out, q):
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else "gpu-results"
-    world = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    args = [a for a in sys.argv[1:] if a != "--cpu"]
+    cpu = "--cpu" in sys.argv
+    out = args[0] if args else "gpu-results"
+    world = int(args[1]) if len(args) > 1 else 4
     os.makedirs(out, exist_ok=True)
-    got = ranks.run(worker, world, out, timeout=240)
+    got = ranks.run(worker, world, out, cpu, timeout=240)
     ok = all("error" not in res and all(res.values()) for res in got.values()) and len(got) == world
     name = ("collectives-nccl.json" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl"
             else "collectives-staged.json" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "collectives.json")

@@ -7,7 +7,11 @@ gloo's answer is checked too where gloo supports the case.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -972,3 +976,27 @@ def test_small_sync_ops_run_on_the_callers_thread_in_order():
         # the inline op's whole 100 ms (the test delay) counts as the caller's exposed wait
         assert recs[0][4] is not None and recs[0][4] >= 0.09, recs
         assert o["engines"] == ["host"], o["engines"]  # CPU tensors: the host engine ran every op
+
+
+@pytest.mark.dedicated
+def test_gpu_collectives_check_dry_run(tmp_path):
+    """tests/gpu/check_collectives.py (the GPU script's collectives steps) with --cpu at WS=2: every
+    check of the script on CPU tensors, so that the script itself is known to run where no GPU is,
+    and its value checks hold (the allreduce after a producer, the coalesced batch's wait, the
+    batch_isend_irecv ring shift, the engine the records name)."""
+    from conftest import require_backend
+
+    require_backend("xirang")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, os.path.join(root, "tests", "gpu", "check_collectives.py"), str(tmp_path), "2", "--cpu"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    with open(tmp_path / "collectives.json") as f:
+        res = json.load(f)
+    assert res["ok"] and set(res["ranks"]) == {"0", "1"}, res
+    for r in ("0", "1"):
+        got = res["ranks"][r]
+        for name in ("allreduce_after_long_kernel", "coalesced_batch_wait", "batch_isend_irecv_wait",
+                     "engine is host (records: ['host'])", "allreduce_ef", "scatter"):
+            assert got.get(name) is True, (r, name, got)
