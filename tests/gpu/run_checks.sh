@@ -19,17 +19,19 @@
 #   kernel_bits  CUDA kernels == CPU codec bits (tests/gpu/check_kernels.py bits)
 #   kernel_speed kernels vs device-to-device copy at 256 MiB, target >= 0.8 (check_kernels.py speed)
 #   collectives  4 ranks on GPU 0, the mirror engine (the ranks share host memory): == CPU path
-#                bitwise; allreduce behind a long kernel
+#                bitwise; allreduce and coalesced batches behind a long kernel (check_collectives.py;
+#                its --cpu flag dry-runs the script here, as check_ddp.py's does)
 #   collectives_nccl  the same checks through the backend's NCCL engine (XIRANG_CUDA_TRANSPORT=nccl),
 #                one rank (NCCL refuses two ranks on one GPU): the device Comm, kernels on the side
 #                stream, the stream discipline and the communicator's creation through the store
 #   collectives_staged  the same 4 ranks with XIRANG_TRANSPORT_LOCAL=tcp (no shared-memory domain):
 #                the staged engine (device reducer kernels over a StagedLink on TCP) == CPU bitwise
-#   ddp          DDP + xirang hook, 50 steps: loss within 2% of gloo fp32, replicas bitwise equal
+#   ddp          DDP + xirang hook, 50 steps: loss within 2% of gloo fp32, replicas bitwise equal;
+#                AMP (fp16 autocast, GradScaler, an inf step) within 2% of gloo under the same AMP
 #                (one host: the hook's exact fp32 local average)
 #   ddp_staged   the same with XIRANG_TRANSPORT_LOCAL=tcp: the hook's bf16 error-feedback groups
 #                through the staged engine
-#   ddp_nccl     the same on one rank through the NCCL engine, 20 steps (the hook's device buffers)
+#   ddp_nccl     the same on one rank through the NCCL engine, 50 steps (the hook's device buffers)
 #   fsdp         xirang.fsdp on CUDA, 2 ranks on GPU 0 (mirror engine): the compressed reduce-scatter
 #                (fp32/bf16/int8 + error feedback) on a side stream behind a running producer kernel
 #                == the CPU call bitwise; FSDP2 gradients within each wire's bound of an fp64
@@ -131,7 +133,7 @@ step ddp 120 "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50
 grep -h "ddp" "$OUT/ddp.log" >> "$summary" 2>/dev/null
 step ddp_staged 90 env XIRANG_TRANSPORT_LOCAL=tcp "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50
 grep -h "ddp" "$OUT/ddp_staged.log" >> "$summary" 2>/dev/null
-step ddp_nccl 60 env XIRANG_CUDA_TRANSPORT=nccl "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 1 20
+step ddp_nccl 60 env XIRANG_CUDA_TRANSPORT=nccl "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 1 50
 grep -h "ddp" "$OUT/ddp_nccl.log" >> "$summary" 2>/dev/null
 step fsdp 150 "$PY" "$root/tests/gpu/check_fsdp.py" "$OUT" 2
 grep -h "fsdp" "$OUT/fsdp.log" >> "$summary" 2>/dev/null

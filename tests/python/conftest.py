@@ -61,6 +61,22 @@ def require_backend(backend: str) -> None:
         pytest.fail(f"import xirang failed (not an ImportError): {detail}")
 
 
+def gpu_script_dry_run(script: str, out_dir, args, result: str, env=None, timeout: float = 120) -> tuple:
+    """Runs tests/gpu/<script> OUT_DIR *args --cpu (a GPU check's dry run on CPU tensors) with
+    OMP_NUM_THREADS=1 and `env` added; fails the test on a non-zero exit. Returns (its stdout, the
+    JSON it wrote to OUT_DIR/<result>)."""
+    import json
+
+    require_backend("xirang")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, os.path.join(root, "tests", "gpu", script), str(out_dir), *map(str, args), "--cpu"]
+    p = subprocess.run(cmd, cwd=str(out_dir), env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    with open(os.path.join(str(out_dir), result)) as f:
+        return p.stdout, json.load(f)
+
+
 def pytest_generate_tests(metafunc):
     explicit = any("backend" in str(m.args[0]) for m in metafunc.definition.iter_markers("parametrize"))
     if "backend" in metafunc.fixturenames and not explicit:

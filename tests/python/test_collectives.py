@@ -7,11 +7,7 @@ gloo's answer is checked too where gloo supports the case.
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
@@ -984,16 +980,9 @@ def test_gpu_collectives_check_dry_run(tmp_path):
     check of the script on CPU tensors, so that the script itself is known to run where no GPU is,
     and its value checks hold (the allreduce after a producer, the coalesced batch's wait, the
     batch_isend_irecv ring shift, the engine the records name)."""
-    from conftest import require_backend
+    from conftest import gpu_script_dry_run
 
-    require_backend("xirang")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, os.path.join(root, "tests", "gpu", "check_collectives.py"), str(tmp_path), "2", "--cpu"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
-    with open(tmp_path / "collectives.json") as f:
-        res = json.load(f)
+    _, res = gpu_script_dry_run("check_collectives.py", tmp_path, [2], "collectives.json")
     assert res["ok"] and set(res["ranks"]) == {"0", "1"}, res
     for r in ("0", "1"):
         got = res["ranks"][r]

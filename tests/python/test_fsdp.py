@@ -1026,18 +1026,11 @@ def test_benchmark_and_example_run(tmp_path):
 def test_gpu_fsdp_check_dry_run(tmp_path):
     """tests/gpu/check_fsdp.py (the GPU script's fsdp step) with --cpu: the same two parts on CPU
     tensors, so that the script itself is known to run and its bounds to hold where no GPU is."""
-    from conftest import require_backend
+    from conftest import gpu_script_dry_run
 
-    require_backend("xirang")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, os.path.join(root, "tests", "gpu", "check_fsdp.py"), str(tmp_path), "2", "--cpu"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, f"rc={p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
-    with open(tmp_path / "fsdp.json") as f:
-        res = json.load(f)
+    stdout, res = gpu_script_dry_run("check_fsdp.py", tmp_path, [2], "fsdp.json")
     assert res["ok"] and res["device"] == "cpu"
     for r in ("0", "1"):
         assert set(res["ranks"][r]["train"]) == {"fp32", "bf16", "int8"}
         assert all(v["ok"] for v in res["ranks"][r]["train"].values())
-    assert p.stdout.count("PASS fsdp") == 6, p.stdout
+    assert stdout.count("PASS fsdp") == 6, stdout

@@ -930,3 +930,22 @@ def test_backend_must_be_xirang(kind):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=120)
     assert "TYPEERROR" in out.stdout and "gloo" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.dedicated
+def test_gpu_ddp_check_dry_run(tmp_path):
+    """tests/gpu/check_ddp.py (the GPU script's ddp steps) with --cpu at WS=2 over TCP (the hook's
+    groups path, bf16 with error feedback): the script runs where no GPU is, and its checks hold on
+    CPU tensors: the loss halves, the hook within 2% of gloo fp32, replicas bitwise equal, and under
+    AMP (bf16 autocast here, GradScaler) with an inf step: the scaler skips it, the hook leaves its
+    residuals untouched and counts the skipped step, and ends within 2% of gloo under the same AMP."""
+    from conftest import gpu_script_dry_run
+
+    stdout, res = gpu_script_dry_run("check_ddp.py", tmp_path, [2, 50], "ddp-staged.json",
+                                     env={"XIRANG_TRANSPORT_LOCAL": "tcp"}, timeout=180)
+    assert res["ok"] and res["replicas_equal"] and res["replicas_equal_amp"], res
+    assert res["final_loss_hook"] < 0.5 * res["first_loss"] and res["rel_diff"] <= 0.02 and res["rel_diff_amp"] <= 0.02
+    assert res["amp_inf_step"] == {"baseline_gloo_amp scale_halved": True, "xirang_hook_amp scale_halved": True,
+                                   "xirang_hook_amp residuals_untouched": True,
+                                   "xirang_hook_amp hook_skipped_it": True}, res["amp_inf_step"]
+    assert stdout.count("PASS ddp") == 9 and "FAIL" not in stdout, stdout
