@@ -15,12 +15,16 @@ gloo's under the same AMP, replicas bitwise equal. Rank 0 writes OUT_DIR/ddp.jso
 under XIRANG_CUDA_TRANSPORT=nccl: WORLD 1, the hook's device buffers through the NCCL engine;
 ddp-staged.json under XIRANG_TRANSPORT_LOCAL=tcp: the hook's layer groups, bf16 with error
 feedback, through the staged engine's kernels, where on one host's shared memory the hook takes its
-exact fp32 local average instead). Dry runs: test_hook::test_gpu_ddp_check_dry_run.
+exact fp32 local average instead). Where NCCL can run (WORLD 1 on a GPU), a last run times torch's
+bf16_compress_hook on NCCL beside the xirang hook's run (median step time; printed, not judged).
+Dry runs: test_hook::test_gpu_ddp_check_dry_run.
 """
 import datetime
 import json
 import os
+import statistics
 import sys
+import time
 import traceback
 
 import torch
@@ -34,7 +38,11 @@ INF_STEP = 10  # the AMP run's step whose loss is made inf
 
 
 def train(backend, rank, world, steps, use_hook, dev, amp=False):
+    """use_hook: False, True (xirang's hook) or "torch_bf16" (torch's bf16_compress_hook). Returns
+    the losses, whether the replicas ended bitwise equal, the AMP inf step's checks, and the median
+    step time in ms (steps 5 on, the inf step excluded; CUDA: synchronized per step)."""
     import xirang
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     torch.manual_seed(0)
     layers = []
@@ -42,15 +50,21 @@ def train(backend, rank, world, steps, use_hook, dev, amp=False):
         layers += [nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU()]
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), *layers, nn.Linear(256, 10)).to(dev)
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=None)
-    state = xirang.register_comm_hook(ddp, layers_per_group=2) if use_hook else None
+    state = None
+    if use_hook == "torch_bf16":  # a CPU torch refuses the bf16 hook: the dry run takes the fp16 one
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if dev.type == "cuda"
+                               else default_hooks.fp16_compress_hook)
+    elif use_hook:
+        state = xirang.register_comm_hook(ddp, layers_per_group=2)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler(dev.type) if amp else None
     amp_dtype = torch.float16 if dev.type == "cuda" else torch.bfloat16
     inf_step = {}
     g = torch.Generator().manual_seed(1000 + rank)
     wt = torch.randn(64, 10, generator=torch.Generator().manual_seed(7))
-    losses = []
+    losses, times = [], []
     for _ in range(steps):
+        t0 = time.perf_counter()
         x = torch.randn(128, 64, generator=g)
         y = (x @ wt).argmax(1)
         x, y = x.to(dev), y.to(dev)
@@ -59,7 +73,8 @@ def train(backend, rank, world, steps, use_hook, dev, amp=False):
             loss = nn.functional.cross_entropy(ddp(x), y)
             loss.backward()
             opt.step()
-            losses.append(loss.item())
+            losses.append(loss.item())  # .item() waits for the step's kernels
+            times.append(time.perf_counter() - t0)
             continue
         with torch.autocast(device_type=dev.type, dtype=amp_dtype):
             loss = nn.functional.cross_entropy(ddp(x), y)
@@ -82,15 +97,20 @@ def train(backend, rank, world, steps, use_hook, dev, amp=False):
             losses.append(losses[-1])  # the skipped step changed nothing
         else:
             losses.append(loss.item())
+            times.append(time.perf_counter() - t0)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
     same = all(torch.equal(gathered[0].cpu().view(torch.int32), t.cpu().view(torch.int32)) for t in gathered)
-    return losses, same, inf_step
+    return losses, same, inf_step, 1e3 * statistics.median(times[5:])
 
 
 RUNS = (("baseline_gloo_fp32", "gloo", False, False), ("xirang_hook", "xirang", True, False),
         ("baseline_gloo_amp", "gloo", False, True), ("xirang_hook_amp", "xirang", True, True))
+# Timing only: torch's bf16_compress_hook on NCCL, the issue's reference, where NCCL can run (one
+# rank per GPU: WORLD 1 here); the dry run runs torch's fp16_compress_hook on xirang's plain
+# allreduce instead.
+TORCH_BF16 = ("torch_bf16_hook", "nccl", "torch_bf16", False)
 
 
 def worker(rank, world, port, steps, cpu, q):
@@ -102,11 +122,13 @@ def worker(rank, world, port, steps, cpu, q):
         # One store on the one free port for every run (a prefix each): port + i may be taken.
         timeout = datetime.timedelta(seconds=120)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
-        for name, backend, hook, amp in RUNS:
+        runs = RUNS + ((TORCH_BF16[0], "xirang" if cpu else "nccl", *TORCH_BF16[2:]),) if cpu or world == 1 else RUNS
+        for name, backend, hook, amp in runs:
             dist.init_process_group(backend, store=dist.PrefixStore(name, store), rank=rank, world_size=world,
                                     timeout=timeout)
-            losses, same, inf_step = train(backend, rank, world, steps, hook, dev, amp)
-            res[name] = {"losses": losses, "replicas_equal": same, **({"inf_step": inf_step} if amp else {})}
+            losses, same, inf_step, step_ms = train(backend, rank, world, steps, hook, dev, amp)
+            res[name] = {"losses": losses, "replicas_equal": same, "step_ms": step_ms,
+                         **({"inf_step": inf_step} if amp else {})}
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         res["error"] = traceback.format_exc()
@@ -150,6 +172,12 @@ def main():
         print(f"{'PASS' if eq_amp else 'FAIL'} ddp amp replicas bitwise equal")
         for k, v in inf.items():
             print(f"{'PASS' if v else 'FAIL'} ddp amp inf step: {k}")
+        times = {n: r0[n]["step_ms"] for n in ("xirang_hook", TORCH_BF16[0]) if n in r0}
+        summary["step_ms"] = times
+        if len(times) == 2:  # timing, no pass/fail: one rank per GPU is all NCCL allows here
+            print(f"INFO ddp step time: xirang hook {times['xirang_hook']:.3f} ms, torch bf16_compress_hook "
+                  f"{'(dry run: fp16_compress_hook on xirang)' if cpu else 'on NCCL'} {times[TORCH_BF16[0]]:.3f} ms, ratio "
+                  f"{times['xirang_hook'] / times[TORCH_BF16[0]]:.2f} (median of steps 5 on, rank 0)")
     else:
         for r, v in got.items():
             if "error" in v:

@@ -949,3 +949,6 @@ def test_gpu_ddp_check_dry_run(tmp_path):
                                    "xirang_hook_amp residuals_untouched": True,
                                    "xirang_hook_amp hook_skipped_it": True}, res["amp_inf_step"]
     assert stdout.count("PASS ddp") == 9 and "FAIL" not in stdout, stdout
+    # the timing beside torch's hook (fp16_compress_hook on xirang in a dry run)
+    assert set(res["step_ms"]) == {"xirang_hook", "torch_bf16_hook"} and all(v > 0 for v in res["step_ms"].values())
+    assert "INFO ddp step time" in stdout, stdout
