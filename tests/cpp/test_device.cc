@@ -626,6 +626,94 @@ TEST_CASE("device: a rank aborting mid-op makes the others fail, not hang", "[de
   CHECK((what[0].find("rank 1 aborted") != std::string::npos || what[2].find("rank 1 aborted") != std::string::npos));
 }
 
+// The fake's NCCL with rank 0's sends failing after the first `ok_sends` (a call NCCL rejects,
+// e.g. a bad argument or a communicator already in error), watching for a communicator aborted
+// while this thread's group is still open: ncclGroupEnd then walks freed memory in real NCCL.
+struct FailingSends : dv::NcclApi {
+  FailingSends(dv::NcclApi& inner, int ok_sends) : in(inner), ok(ok_sends) {}
+  const char* name() const override { return "failing-sends"; }
+  const char* errorString(int r) override { return in.errorString(r); }
+  std::string lastError(dv::NcclComm c) override { return in.lastError(c); }
+  int getVersion(int* v) override { return in.getVersion(v); }
+  int getUniqueId(dv::NcclUniqueId* id) override { return in.getUniqueId(id); }
+  int commInitRankConfig(dv::NcclComm* c, int n, const dv::NcclUniqueId& id, int r,
+                         const dv::NcclConfig& cfg) override {
+    return in.commInitRankConfig(c, n, id, r, cfg);
+  }
+  int commAbort(dv::NcclComm c) override {
+    ++aborts;
+    if (depth > 0) ++aborts_in_open_group;
+    return in.commAbort(c);
+  }
+  int commDestroy(dv::NcclComm c) override { return in.commDestroy(c); }
+  int commGetAsyncError(dv::NcclComm c, int* e) override { return in.commGetAsyncError(c, e); }
+  int groupStart() override {
+    ++depth;
+    return in.groupStart();
+  }
+  int groupEnd() override {
+    --depth;
+    return in.groupEnd();
+  }
+  int send(const void* b, size_t bytes, int peer, dv::NcclComm c, dv::Stream s) override {
+    if (sends++ >= ok) return dv::kNcclInvalidArgument;
+    return in.send(b, bytes, peer, c, s);
+  }
+  int recv(void* b, size_t bytes, int peer, dv::NcclComm c, dv::Stream s) override { return in.recv(b, bytes, peer, c, s); }
+
+  dv::NcclApi& in;
+  const int ok;
+  int sends = 0, depth = 0;  // rank 0's thread only
+  std::atomic<int> aborts{0}, aborts_in_open_group{0};
+};
+
+TEST_CASE("device: an NCCL call failing inside a group aborts the communicator only after the group's end",
+          "[device]") {
+  for (int ok_sends : {0, 1}) {  // the header round's send, or the first data send
+    CAPTURE(ok_sends);
+    dv::FakeDevice dev;
+    FailingSends failing(dev.nccl(), ok_sends);
+    MemStore store;
+    const int n = 2;
+    std::vector<dv::Stream> streams(n);
+    std::vector<std::unique_ptr<xirang::algo::DeviceReducer>> reducers(n);
+    std::vector<std::unique_ptr<tp::NcclLink>> links(n);
+    std::vector<std::string> what(n);
+    runRanks(n, [&](int r) {
+      dv::NcclApi& api = r == 0 ? static_cast<dv::NcclApi&>(failing) : dev.nccl();
+      if (dev.cuda().streamCreate(&streams[r]) != dv::kCudaSuccess) throw std::runtime_error("streamCreate");
+      reducers[r] = std::make_unique<xirang::algo::DeviceReducer>(dev.cuda(), dev.kernels(), streams[r]);
+      const auto id = tp::shareNcclUniqueId(api, store, "xirang/test/0/nccl_uid", r, after(milliseconds(10000)));
+      links[r] = std::make_unique<tp::NcclLink>(api, dev.cuda(),
+                                                tp::initNcclComm(api, id, r, n, after(milliseconds(10000)), "test"),
+                                                r, n, streams[r]);
+      const int64_t count = 4096;
+      void* p = nullptr;
+      dev.cuda().malloc(&p, count * 4);
+      std::memset(p, 0, count * 4);
+      Comm c = xirang_test::commOver(links[r].get(), r, n, {});
+      c.reducer = reducers[r].get();
+      c.small_bytes = 0;
+      try {
+        xirang::allreduceOp(c, ctxFor(tp::OpKind::Allreduce, DType::Float32, ReduceOp::Sum, count, 1, 5000), p, count,
+                            DType::Float32, ReduceOp::Sum);
+        links[r]->synchronize(after(milliseconds(5000)));
+        what[r] = "(no error)";
+      } catch (const std::exception& e) {
+        what[r] = e.what();
+      }
+    });
+    CAPTURE(what[0], what[1]);
+    CHECK(what[0].find("ncclSend") != std::string::npos);
+    CHECK(what[1] != "(no error)");
+    CHECK(failing.aborts.load() >= 1);
+    CHECK(failing.aborts_in_open_group.load() == 0);
+    links.clear();
+    reducers.clear();
+    for (auto s : streams) (void)dev.cuda().streamDestroy(s);
+  }
+}
+
 // Two ranks of group G allreducing 100 and 99 elements: what each op ended with (a MismatchError's
 // message, "other: ..." for another error, "(no error)").
 template <class G>

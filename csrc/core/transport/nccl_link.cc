@@ -170,7 +170,9 @@ void NcclLink::fail(const std::string& what, bool timeout, int peer) {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (stop_why_.empty()) stop_why_ = what;
-    if (!aborted_) {
+    if (in_group_) {
+      abort_after_group_ = true;  // the open group holds the communicator: grouped() aborts after its end
+    } else if (!aborted_) {
       (void)nccl_.commAbort(comm_);
       aborted_ = true;
     }
@@ -207,11 +209,29 @@ void NcclLink::callNccl(int result, const char* call, Deadline deadline) {
 
 void NcclLink::grouped(Deadline deadline, const std::function<void()>& calls) {
   callNccl(nccl_.groupStart(), "ncclGroupStart", deadline);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    in_group_ = true;
+  }
   try {
     calls();
   } catch (...) {
-    (void)nccl_.groupEnd();  // close this thread's group whatever failed inside it
+    // Close this thread's group whatever failed inside it, and only then abort the communicator
+    // a failed call gave up (fail()): ncclGroupEnd still walks the group's communicators, and an
+    // aborted one is freed memory.
+    (void)nccl_.groupEnd();
+    std::lock_guard<std::mutex> g(mu_);
+    in_group_ = false;
+    if (abort_after_group_ && !aborted_) {
+      (void)nccl_.commAbort(comm_);
+      aborted_ = true;
+    }
+    abort_after_group_ = false;
     throw;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    in_group_ = false;
   }
   callNccl(nccl_.groupEnd(), "ncclGroupEnd", deadline);
 }

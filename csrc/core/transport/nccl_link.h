@@ -135,6 +135,8 @@ class NcclLink : public Link {
   std::mutex mu_;          // guards the fields below and the abort call
   std::string stop_why_;   // interrupt / abort / a failure: every later call throws
   bool aborted_ = false;
+  bool in_group_ = false;           // between grouped()'s ncclGroupStart and ncclGroupEnd
+  bool abort_after_group_ = false;  // fail() inside the group: abort once it is closed
 };
 
 }  // namespace xirang::transport
