@@ -64,14 +64,16 @@ class OpStage {
   // Caller's thread, when the op is queued: the inputs are ready (CUDA: an event on the caller's
   // current stream).
   virtual void queued() {}
-  // Communication thread: the op's body (the algorithm) between the stage's copies, when copies().
-  virtual void run(const std::function<void()>& body) {
-    copyIn();
+  // Communication thread: the op's body (the algorithm) between the stage's copies, when copies();
+  // `deadline`: the op's (ctx.deadline), which bounds every wait for the device.
+  virtual void run(transport::Deadline deadline, const std::function<void()>& body) {
+    copyIn(deadline);
     body();
     copyOut();
   }
-  // Communication thread, before and after the algorithm.
-  virtual void copyIn() {}
+  // Communication thread (a send's: the caller's), before and after the algorithm. copyIn's
+  // wait for the copies to the host ends by `deadline` (transport::TimeoutError).
+  virtual void copyIn(transport::Deadline deadline) { (void)deadline; }
   virtual void copyOut() {}
   // Communication thread, inside run()'s body: the Comm the algorithm runs over. `host` is the
   // group's (the host engines run over it); the device-link engines (NCCL, staged) return their

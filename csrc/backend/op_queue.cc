@@ -74,7 +74,7 @@ c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpS
                                               std::optional<std::vector<at::Tensor>>(spec.inputs), stage);
   if (stage->copies()) {
     stage->queued();
-    fn = [stage, inner = std::move(fn)](OpCtx& ctx) { stage->run([&] { inner(ctx); }); };
+    fn = [stage, inner = std::move(fn)](OpCtx& ctx) { stage->run(ctx.deadline, [&] { inner(ctx); }); };
   }
   Op op;
   op.work = work;

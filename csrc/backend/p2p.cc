@@ -38,7 +38,7 @@ c10::intrusive_ptr<WorkXirang> PointToPoint::post(bool is_send, int peer, int ta
   work->desc_ = d.str();
   if (stage->copies()) {
     stage->queued();
-    if (is_send) stage->copyIn();  // the send reads the host mirror: it must hold the finished values
+    if (is_send) stage->copyIn(Clock::now() + cfg_.timeout);  // the send reads the host mirror: the finished values
   } else {
     buf = is_send ? t.contiguous() : (t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous));
   }

@@ -3,6 +3,7 @@
 
 #include "backend/tensors.h"
 #include "core/algorithms/device_reducer.h"
+#include "core/device/backoff.h"
 #include "core/env.h"
 #include "core/transport/nccl_link.h"
 #include "core/transport/staged_link.h"
@@ -38,13 +39,28 @@ Transport transportSetting(int rank) {
 }
 }  // namespace
 
+// A stream of xirang's own on `d`, never destroyed (as torch's pool streams are not: the caching
+// allocator records events on it when a tensor used there is freed later). Not a pool stream: that
+// may be another process group's or library's, and this group's waits would wait for its work too.
+c10::cuda::CUDAStream ownStream(c10::Device d) {
+  c10::cuda::CUDAGuard guard(d);
+  cudaStream_t raw = nullptr;
+  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+  return c10::cuda::getStreamFromExternal(raw, d.index());
+}
+
 struct StreamsImpl {
   std::mutex mu;
-  std::map<c10::DeviceIndex, c10::cuda::CUDAStream> side;
-  c10::cuda::CUDAStream get(c10::DeviceIndex d) {
+  // Per device: the mirror engine's side stream, and the stream Futures are completed on.
+  std::map<c10::DeviceIndex, c10::cuda::CUDAStream> side, completion;
+  c10::cuda::CUDAStream get(c10::DeviceIndex d) { return find(side, d); }
+  c10::cuda::CUDAStream completionStream(c10::DeviceIndex d) { return find(completion, d); }
+
+ private:
+  c10::cuda::CUDAStream find(std::map<c10::DeviceIndex, c10::cuda::CUDAStream>& m, c10::DeviceIndex d) {
     std::lock_guard<std::mutex> g(mu);
-    auto it = side.find(d);
-    if (it == side.end()) it = side.emplace(d, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, d)).first;
+    auto it = m.find(d);
+    if (it == m.end()) it = m.emplace(d, ownStream(c10::Device(c10::kCUDA, d))).first;
     return it->second;
   }
 };
@@ -60,17 +76,11 @@ class Event {
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
   ~Event() {
-    if (ev_) {
-      c10::cuda::CUDAGuard g(device_);
-      (void)cudaEventDestroy(ev_);
-    }
+    if (ev_) (void)cudaEventDestroy(ev_);  // no CUDAGuard: it may throw (at exit), and the call needs none
   }
   void record(const c10::cuda::CUDAStream& s) {
     c10::cuda::CUDAGuard g(s.device_index());
-    if (!ev_) {
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming));
-      device_ = s.device_index();
-    }
+    if (!ev_) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev_, cudaEventDisableTiming));
     C10_CUDA_CHECK(cudaEventRecord(ev_, s.stream()));
   }
   // The stream waits (on the GPU) for the work recorded before; a no-op if never recorded.
@@ -90,18 +100,27 @@ class Event {
     C10_CUDA_CHECK(e);
     return false;
   }
+  // The host waits for the work recorded before, polling until `deadline` (transport::TimeoutError
+  // naming `what`): a stalled stream fails the op instead of blocking its thread for ever.
+  void wait(transport::Deadline deadline, const char* what) {
+    device::Backoff b;
+    while (!query()) {
+      if (Clock::now() >= deadline) throw transport::TimeoutError(std::string("timed out waiting for ") + what, -1);
+      b.pause();
+    }
+  }
 
  private:
   cudaEvent_t ev_ = nullptr;
-  c10::DeviceIndex device_ = 0;
 };
 }  // namespace
 
 struct Stage::Events {
   explicit Events(c10::cuda::CUDAStream s) : side(s) {}
   c10::cuda::CUDAStream side;
-  Event ready;  // caller's stream: inputs written
-  Event done;   // side stream: copies back enqueued before it
+  Event ready;   // caller's stream: inputs written
+  Event copied;  // side stream: the copies to the host (mirror engine)
+  Event done;    // side stream: copies back enqueued before it
   bool done_recorded = false;
 };
 
@@ -144,7 +163,7 @@ at::Tensor Stage::userTensor(const at::Tensor& t) const {
   return t;
 }
 
-void Stage::copyIn() {
+void Stage::copyIn(transport::Deadline deadline) {
   if (entries_.empty()) return;
   c10::cuda::CUDAGuard dg(device_);
   ev_->ready.block(ev_->side);
@@ -153,7 +172,8 @@ void Stage::copyIn() {
     for (auto& e : entries_)
       if (e.copy_in) e.host.copy_(e.user, /*non_blocking=*/true);
   }
-  ev_->side.synchronize();
+  ev_->copied.record(ev_->side);
+  ev_->copied.wait(deadline, "the copies of the operation's CUDA tensors to host memory");
 }
 
 void Stage::keepAlive() {
@@ -163,6 +183,9 @@ void Stage::keepAlive() {
 
 void Stage::copyOut() {
   if (entries_.empty()) return;
+  // After the caller's stream reached the op: a receive (which has no copyIn) must not write its
+  // tensor while work queued before it on that stream still reads it, or before its memory is free.
+  ev_->ready.block(ev_->side);
   c10::cuda::CUDAStreamGuard sg(ev_->side);
   for (auto& e : entries_)
     if (e.copy_out) e.user.copy_(e.host, /*non_blocking=*/true);
@@ -176,7 +199,13 @@ void Stage::completeFuture(const c10::intrusive_ptr<c10::ivalue::Future>& fut, c
     fut->markCompleted(std::move(value));
     return;
   }
-  c10::cuda::CUDAStreamGuard sg(ev_->side);
+  // On the group's completion stream, after this op's done event only: the Future's events, which
+  // its waiters' streams wait on, cover this op and nothing queued on the side stream since (the
+  // completion thread may mark it after the next ops were enqueued there: a waiter would also wait
+  // for those, and for peers that reach them only after this rank's wait).
+  c10::cuda::CUDAStream cs = streams_->completionStream(device_.index());
+  if (ev_->done_recorded) ev_->done.block(cs);
+  c10::cuda::CUDAStreamGuard sg(cs);
   fut->markCompleted(std::move(value));
 }
 
@@ -252,10 +281,9 @@ LinkDevice::~LinkDevice() {
 c10::cuda::CUDAStream LinkDevice::streamFor(c10::Device d) {
   std::lock_guard<std::mutex> g(mu);
   if (!stream) {
-    c10::cuda::CUDAGuard guard(d);
-    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+    stream = ownStream(d);
+    raw = stream->stream();
     device = d;
-    stream = c10::cuda::getStreamFromExternal(raw, d.index());
   }
   TORCH_CHECK(d == device, rankPrefix(setup.rank), transport, ": group '", setup.group_name, "' runs on ", device,
               ", got tensors on ", d,
@@ -399,13 +427,12 @@ at::Tensor DeviceStage::bind(const at::Tensor& t, bool copy_in, bool copy_out) {
 
 const Comm& DeviceStage::comm(const Comm& host, const OpCtx& ctx) {
   if (entries_.empty()) return host;  // only empty CPU tensors: nothing to move
-  deadline_ = ctx.deadline;
   const Comm& c = dev_->comm(host, ctx);
   linked_ = true;
   return c;
 }
 
-void DeviceStage::run(const std::function<void()>& body) {
+void DeviceStage::run(transport::Deadline deadline, const std::function<void()>& body) {
   // Called only when copies(): at least one CUDA tensor is bound, so device_ and ev_ are set.
   c10::cuda::CUDAGuard dg(device_);
   ev_->ready.block(ev_->side);
@@ -422,8 +449,15 @@ void DeviceStage::run(const std::function<void()>& body) {
     ev_->done.record(ev_->side);
     ev_->done_recorded = true;
   }
-  if (linked_) dev_->synchronize(deadline_);  // made by comm(), kept for the group
-  else ev_->side.synchronize();
+  try {
+    if (linked_) dev_->synchronize(deadline);  // made by comm(), kept for the group
+    else ev_->done.wait(deadline, "the operation's work on the side stream");
+  } catch (...) {
+    // A timeout, a peer's failure or an interrupt (the group was poisoned) during the wait: the
+    // NCCL calls enqueued must end too, or they spin on the GPU until the group is destroyed.
+    if (linked_) dev_->failed();
+    throw;
+  }
 }
 
 Engine::Engine(const EngineSetup& setup)

@@ -18,11 +18,14 @@
 //   caller's thread  Stage::bind() makes a pinned host mirror per CUDA tensor (CPU tensors pass
 //                    through); Stage::queued() records an event on the caller's current
 //                    stream (where DDP fills its buckets) - the op queue calls it;
-//   comm thread      copyIn(): the side stream waits on that event, copies D2H, synchronizes;
-//                    the CPU algorithm runs on the mirrors; copyOut(): H2D copies (non-blocking)
-//                    on the side stream, recordStream of every device tensor, the done event;
-//                    completeFuture() marks the Work's Future completed with the side stream
-//                    current (the Future records its own events there);
+//   comm thread      copyIn(): the side stream waits on that event, copies D2H, the host waits
+//                    for them under the op's deadline; the CPU algorithm runs on the mirrors;
+//                    copyOut(): the side stream waits on the ready event too (a receive has no
+//                    copyIn), H2D copies (non-blocking), recordStream of every device tensor, the
+//                    done event; completeFuture() marks the Work's Future completed with the
+//                    group's completion stream current after it waited on the done event only
+//                    (the Future records its own events there; the side stream may already hold
+//                    the next ops when the completion thread gets to it);
 //   caller's wait()  block(): the caller's current stream waits on the done event; the CPU
 //                    does not wait for the copies.
 //
@@ -36,7 +39,7 @@
 //                    recordStream of every tensor, the done event; then the link's synchronize
 //                    under the op's deadline, so an error or a hang ends this op with an
 //                    error (no watchdog thread: the comm thread waits for the device, the
-//                    caller's CPU does not);
+//                    caller's CPU does not); a wait that fails aborts the NCCL communicator;
 //   caller's wait()  as above: its stream waits on the done event.
 // The NCCL communicator: one per group, made at the group's first NCCL op (rank 0's unique id under
 // the store key <creation namespace>/nccl/<group>/epoch0; non-blocking init, bounded by that
@@ -51,9 +54,10 @@
 // error), several devices per group over NCCL, and "auto" choosing NCCL (auto takes the host-staged
 // engines, which have not run on a GPU either).
 //
-// Side streams: the mirror engine's, one per device and process group (c10::cuda::getStreamFromPool),
-// made on first use; the device-link engines', one of their own each. Nothing here makes a CUDA
-// call before the first CUDA tensor is seen.
+// Streams, all xirang's own (never torch's pool, whose streams other groups and libraries share):
+// per device and process group the mirror engine's side stream and the completion stream, made on
+// first use; the device-link engines', one each. Nothing here makes a CUDA call before the first
+// CUDA tensor is seen.
 #pragma once
 
 #include <functional>
@@ -104,8 +108,9 @@ class Stage : public OpStage {
   // Caller's thread, when the op is queued.
   void queued() override;
 
-  // Communication thread.
-  void copyIn() override;
+  // Communication thread. copyIn: the copies to the host, waited for under `deadline`; copyOut:
+  // the copies back, after the caller's stream reached the op (a receive writes its tensor).
+  void copyIn(transport::Deadline deadline) override;
   void copyOut() override;
   void completeFuture(const c10::intrusive_ptr<c10::ivalue::Future>& fut, c10::IValue value) override;
 
@@ -127,7 +132,8 @@ class Stage : public OpStage {
   // hand their memory to another stream before the side stream is past them (host-staged: the
   // pinned mirrors are covered by the host allocator's own events).
   void keepAlive();
-  // The stream the op runs on: the group's pool stream of that device.
+  // The stream the op runs on: the group's side stream of that device (its own, not torch's pool:
+  // a pool stream may be another group's or library's, whose work would delay this one's).
   virtual c10::cuda::CUDAStream sideStream(c10::Device device);
   StreamsImpl* streams_;
   std::vector<Entry> entries_;
@@ -150,7 +156,7 @@ class DeviceStage : public Stage {
   at::Tensor bind(const at::Tensor& t, bool copy_in, bool copy_out) override;
   bool bindsDevice() const override { return true; }
   const char* engine() const override;
-  void run(const std::function<void()>& body) override;
+  void run(transport::Deadline deadline, const std::function<void()>& body) override;
   const Comm& comm(const Comm& host, const OpCtx& ctx) override;
 
  protected:
@@ -158,7 +164,6 @@ class DeviceStage : public Stage {
 
  private:
   std::shared_ptr<LinkDevice> dev_;
-  transport::Deadline deadline_{};
   bool linked_ = false;  // comm() handed out the device Comm
 };
 

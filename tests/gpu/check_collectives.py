@@ -10,7 +10,8 @@ Each rank runs every op twice, on CUDA tensors and on CPU copies of the same inp
 path is the reference: same algorithm, so the results must be bitwise equal), then an allreduce
 issued while the caller's stream is still writing the input (torch.cuda._sleep, then an in-place
 add): the result must come from the finished values; likewise for a coalesced batch's Work (two
-allreduces, and a batch_isend_irecv ring shift). Rank 0 writes OUT_DIR/collectives.json
+allreduces, and a batch_isend_irecv ring shift), and a recv whose tensor a kernel queued before it
+still reads (the reader must see the old values). Rank 0 writes OUT_DIR/collectives.json
 (collectives-nccl.json under XIRANG_CUDA_TRANSPORT=nccl, collectives-staged.json under
 XIRANG_TRANSPORT_LOCAL=tcp). With --cpu the "device" tensors are CPU tensors (no producer kernel:
 the checks cannot see a missing stream wait there) and the engine expected is "host": a dry run
@@ -170,6 +171,18 @@ def worker(rank, world, port, out, cpu, q):
             for r in reqs:
                 r.wait()
             results["batch_isend_irecv_wait"] = bool((recv == float((rank - 1) % world + 1)).all().item())
+            # A receive writes its tensor only after the caller's stream is past the work queued
+            # before it: `seen` (queued behind a long kernel) reads the old values, not the message.
+            dst = torch.full((n,), -1.0, device=dev)
+            late_producer()
+            seen = dst * 1.0
+            if rank == 0:
+                dist.send(torch.full((n,), 7.0, device=dev), 1)
+            elif rank == 1:
+                dist.recv(dst, 0)
+            if rank < 2:
+                results["recv_after_reader"] = bool((seen == -1.0).all().item() and
+                                                    (dst == (7.0 if rank == 1 else -1.0)).all().item())
         dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001

@@ -979,7 +979,8 @@ def test_gpu_collectives_check_dry_run(tmp_path):
     """tests/gpu/check_collectives.py (the GPU script's collectives steps) with --cpu at WS=2: every
     check of the script on CPU tensors, so that the script itself is known to run where no GPU is,
     and its value checks hold (the allreduce after a producer, the coalesced batch's wait, the
-    batch_isend_irecv ring shift, the engine the records name)."""
+    batch_isend_irecv ring shift, a receive behind a reader of its tensor, the engine the records
+    name)."""
     from conftest import gpu_script_dry_run
 
     _, res = gpu_script_dry_run("check_collectives.py", tmp_path, [2], "collectives.json")
@@ -987,5 +988,5 @@ def test_gpu_collectives_check_dry_run(tmp_path):
     for r in ("0", "1"):
         got = res["ranks"][r]
         for name in ("allreduce_after_long_kernel", "coalesced_batch_wait", "batch_isend_irecv_wait",
-                     "engine is host (records: ['host'])", "allreduce_ef", "scatter"):
+                     "recv_after_reader", "engine is host (records: ['host'])", "allreduce_ef", "scatter"):
             assert got.get(name) is True, (r, name, got)
