@@ -120,8 +120,10 @@ build_info.write_text(
     # No NCCL here: xirang links none; build_info()["nccl"] is the library loaded at run time.
 )
 
-# -ffp-contract=off: the codec's bits must not depend on FMA contraction.
-cxx_flags = ["-O3", "-ffp-contract=off", "-Wall", "-Wextra"]
+# -ffp-contract=off: the codec's bits must not depend on FMA contraction. -std=c++20 as the CMake
+# build (std::atomic_ref in transport/shm.cc): torch's cpp_extension adds its own standard only when
+# none is given, and that is C++17 up to torch 2.11 (C++20 from 2.14).
+cxx_flags = ["-std=c++20", "-O3", "-ffp-contract=off", "-Wall", "-Wextra"]
 # torch's headers (and CUDA's) as system headers: GCC drops a -I that is also given as -isystem,
 # so their own -Wextra warnings (unused parameters, ...) are not reported as ours.
 for _inc in include_paths("cuda" if WITH_CUDA else "cpu"):

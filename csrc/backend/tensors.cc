@@ -41,7 +41,8 @@ ReduceOp toReduceOp(const c10d::ReduceOp& op) {
 }
 
 double premulFactor(const c10d::ReduceOp& op) {
-  auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  // NCCLPreMulSumSupplement: torch 2.11's name; later ones keep it as an alias of PreMulSumSupplement.
+  auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK(sup != nullptr, "xirang: PREMUL_SUM without a factor");
   if (sup->tensor_factor.defined()) return sup->tensor_factor.item<double>();
   return sup->double_factor;
