@@ -65,7 +65,7 @@ struct StreamsImpl {
   }
 };
 
-Streams::Streams() : impl_(std::make_unique<StreamsImpl>()) {}
+Streams::Streams() : impl_(std::make_shared<StreamsImpl>()) {}
 Streams::~Streams() = default;
 
 namespace {

@@ -83,10 +83,11 @@ class Streams {
  public:
   Streams();
   ~Streams();
-  StreamsImpl* impl() { return impl_.get(); }
+  // Shared with every Stage: a Work (and its Stage) may be completed after its group is gone.
+  const std::shared_ptr<StreamsImpl>& impl() { return impl_; }
 
  private:
-  std::unique_ptr<StreamsImpl> impl_;
+  std::shared_ptr<StreamsImpl> impl_;
 };
 
 class Stage : public OpStage {
@@ -135,7 +136,7 @@ class Stage : public OpStage {
   // The stream the op runs on: the group's side stream of that device (its own, not torch's pool:
   // a pool stream may be another group's or library's, whose work would delay this one's).
   virtual c10::cuda::CUDAStream sideStream(c10::Device device);
-  StreamsImpl* streams_;
+  std::shared_ptr<StreamsImpl> streams_;
   std::vector<Entry> entries_;
   c10::Device device_{c10::kCPU};
   std::unique_ptr<Events> ev_;
