@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "backend/op_queue.h"
+#include "backend/records.h"
 #include "core/codec.h"
 #include "core/env.h"
 #include "core/topology.h"
@@ -64,7 +65,7 @@ void checkSettings(const std::string& algorithm) {
     std::string algo;
     configure(0, 1, cfg, algo);
     env::getBool("XIRANG_STATS");
-    env::getInt("XIRANG_STATS_CAPACITY");
+    statsCapacityKnob();
     codec::activePath();  // a process knob: read at its first use, which may be this
     spinKnob();
     const int64_t handshake = env::getInt("XIRANG_HANDSHAKE_TIMEOUT_MS");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <stdexcept>
 #include <type_traits>
 
 #include "core/env.h"
@@ -96,7 +97,15 @@ Records::Records(int rank, int size, const XirangConfig& cfg)
       cfg_(cfg),
       created_(Clock::now()),
       on_(env::getBool("XIRANG_STATS")),
-      capacity_(static_cast<size_t>(std::max<int64_t>(1, env::getInt("XIRANG_STATS_CAPACITY")))) {}
+      capacity_(statsCapacityKnob()) {}
+
+size_t statsCapacityKnob() {
+  const int64_t c = env::getInt("XIRANG_STATS_CAPACITY");
+  if (c < 1 || c > kMaxStatsCapacity)
+    throw std::invalid_argument("xirang: XIRANG_STATS_CAPACITY=" + std::to_string(c) + " must be 1 to " +
+                                std::to_string(kMaxStatsCapacity) + " records");
+  return static_cast<size_t>(c);
+}
 
 Records::~Records() { stop(); }
 

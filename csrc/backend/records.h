@@ -139,6 +139,11 @@ void forEachField(const OpRecord& r, F&& f) {
 #undef XIRANG_RECORD_MEMBER
 #undef XIRANG_RECORD_VISIT
 
+// XIRANG_STATS_CAPACITY: records kept per group, 1 to kMaxStatsCapacity (std::invalid_argument
+// otherwise; 2^24 records are a few GiB).
+constexpr int64_t kMaxStatsCapacity = int64_t{1} << 24;
+size_t statsCapacityKnob();
+
 // One group's records: the ring buffer, the JSON lines' writer and what keeping them costs.
 class Records {
  public:

@@ -34,7 +34,7 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_TOPOLOGY_FILE", "", "file of 'hostname rack' lines mapping hosts to racks", T::String, R::Group},
       {"XIRANG_STATS_DIR", "", "directory where every rank appends its operation records as rank<N>.jsonl", T::String, R::Group},
       {"XIRANG_STATS", "1", "0: a process group created now keeps no operation records (xirang.stats() empty, no JSON lines, Work.wait not timed); for measuring what they cost", T::Bool, R::Group},
-      {"XIRANG_STATS_CAPACITY", "65536", "operation records kept in memory per process group (ring buffer)", T::Int, R::Group},
+      {"XIRANG_STATS_CAPACITY", "65536", "operation records kept in memory per process group (ring buffer), 1 to 16777216", T::Int, R::Group},
       {"XIRANG_AUTH_KEY_FILE", "", "file holding a 128-bit group key as 32 hex digits (a secret the launcher distributes): peers must prove they hold it, and no secret is written to the c10d store (README: Security model)", T::String, R::Group},
       {"XIRANG_HANDSHAKE_TIMEOUT_MS", "10000", "bound on one connection's authentication handshake, milliseconds (> 0)", T::Int, R::Group},
       {"XIRANG_PROMETHEUS_PORT", "", "xirang.exporters.start_prometheus(): serve metrics on this port + LOCAL_RANK", T::Int, R::Call},

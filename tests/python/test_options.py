@@ -58,6 +58,8 @@ def test_options_timeout_accepts_timedelta_and_seconds():
     ("XIRANG_SPIN_US", "fast", "ValueError xirang: XIRANG_SPIN_US='fast' is not an integer"),
     ("XIRANG_SEND_THREAD_BYTES", "lots", "ValueError xirang: XIRANG_SEND_THREAD_BYTES='lots' is not an integer"),
     ("XIRANG_SEND_THREAD_BYTES", "-1", "ValueError xirang: XIRANG_SEND_THREAD_BYTES=-1 must be >= 0 bytes"),
+    ("XIRANG_STATS_CAPACITY", "-1", "ValueError xirang: XIRANG_STATS_CAPACITY=-1 must be 1 to 16777216 records"),
+    ("XIRANG_STATS_CAPACITY", "0", "XIRANG_STATS_CAPACITY=0 must be 1 to 16777216 records"),
     ("XIRANG_HOST", "node\t1", "XIRANG_HOST='node\\t1': a host or rack label must be printable"),
     ("XIRANG_RACK", "r\n2", "XIRANG_RACK='r\\n2': a host or rack label must be printable"),
 ])
