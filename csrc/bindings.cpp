@@ -203,6 +203,11 @@ PYBIND11_MODULE(_C, m) {
       },
       "The version ('2.27.3') of the libnccl.so.2 xirang loaded (cuda/nccl_api.h), or None: a build without "
       "the CUDA path, or no NCCL loaded yet (it loads at the first XIRANG_CUDA_TRANSPORT=nccl group or op).");
+  m.def("_shutdown_for_exit", [] { xirang::ProcessGroupXirang::shutdownAllForExit(std::chrono::seconds(5)); },
+        py::call_guard<py::gil_scoped_release>(),
+        "Registered with atexit when xirang._C loads: shuts every live xirang group down (aborts one with "
+        "operations pending) and drains the completion threads (at most 5 s), so that no xirang thread "
+        "touches Python objects while the interpreter finalizes (ProcessGroupXirang::shutdownAllForExit).");
   m.def("codec_path", [] { return std::string(xirang::codec::pathName(xirang::codec::activePath())); },
         "Name of the codec path in use: 'avx512bf16', 'avx2' or 'scalar' (XIRANG_CODEC overrides).");
   m.def("env_knobs", [] {

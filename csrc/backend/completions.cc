@@ -35,10 +35,16 @@ void Completions::post(int rank, std::function<void()> fn) {
   cv_.notify_one();
 }
 
+bool Completions::drain(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_cv_.wait_until(lock, deadline, [&] { return queue_.empty() && idle_ == threads_; });
+}
+
 void Completions::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     ++idle_;
+    idle_cv_.notify_all();
     cv_.wait(lock, [&] { return !queue_.empty(); });
     --idle_;
     auto fn = std::move(queue_.front());

@@ -7,6 +7,7 @@
 // for the process (idle ones wait on a condition variable).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -26,6 +27,9 @@ class Completions {
 
   // Queues fn (completions start in the order posted); rank names this rank in the one WARNING.
   void post(int rank, std::function<void()> fn);
+  // Waits until every completion posted so far has run (each thread idle), at most until
+  // `deadline`; whether they have.
+  bool drain(std::chrono::steady_clock::time_point deadline);
 
  private:
   Completions() = default;
@@ -33,6 +37,7 @@ class Completions {
 
   std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable idle_cv_;  // a thread became idle (drain)
   std::deque<std::function<void()>> queue_;
   size_t threads_ = 0;  // started (detached), never more than kMaxThreads
   size_t idle_ = 0;

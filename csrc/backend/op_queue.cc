@@ -68,6 +68,11 @@ std::string OpQueue::error() {
   return poison_;
 }
 
+bool OpQueue::idle() {
+  std::lock_guard<std::mutex> g(mu_);
+  return queue_.empty() && !busy_;
+}
+
 c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpStage> stage, OpFn fn) {
   checkPoisoned();
   auto work = c10::make_intrusive<WorkXirang>(rank_, spec.type, spec.title, std::move(spec.outputs),

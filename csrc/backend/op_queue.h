@@ -109,6 +109,8 @@ class OpQueue {
   void checkPoisoned();
   // The group's first error ("" while there is none).
   std::string error();
+  // Whether no operation is queued or running.
+  bool idle();
 
   // Collectives issued so far (caller's thread); a spare starts after its admission op.
   uint64_t seq() const { return seq_; }

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "backend/completions.h"
 #include "backend/host_engine.h"
 #include "backend/tensors.h"
 #include "core/codec.h"
@@ -65,6 +66,18 @@ std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vector<at::
 
 // ---------------------------------------------------------------- construction
 
+namespace {
+// The live groups, for shutdownAllForExit (leaked: groups may be destroyed during static teardown).
+std::mutex& liveMu() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+std::set<ProcessGroupXirang*>& liveGroups() {
+  static auto* groups = new std::set<ProcessGroupXirang*>();
+  return *groups;
+}
+}  // namespace
+
 ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                        XirangConfig cfg)
     : Backend(rank, size), cfg_(std::move(cfg)) {
@@ -105,9 +118,34 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   p2p_ = std::make_unique<PointToPoint>(rank, cfg_, *queue_, *membership_, *records_, engines_);
   queue_->setSeq(membership_->start());
   queue_->start();
+  std::lock_guard<std::mutex> g(liveMu());
+  liveGroups().insert(this);
 }
 
-ProcessGroupXirang::~ProcessGroupXirang() { shutdown(); }
+ProcessGroupXirang::~ProcessGroupXirang() {
+  {
+    std::lock_guard<std::mutex> g(liveMu());
+    liveGroups().erase(this);
+  }
+  shutdown();
+}
+
+void ProcessGroupXirang::shutdownAllForExit(std::chrono::milliseconds drain) {
+  {
+    std::lock_guard<std::mutex> g(liveMu());
+    for (ProcessGroupXirang* pg : liveGroups()) {
+      if (pg->queue_ && !pg->cfg_.elastic && !pg->queue_->idle()) {
+        // Queued operations would otherwise run at the group's destruction, each up to its timeout.
+        // (Elastic groups: a rank that leaves is a lost rank the others rebuild without; no abort.)
+        pg->queue_->poison(rankPrefix(pg->rank_) + "the process exited with operations of group '" +
+                           pg->cfg_.group_name + "' pending");
+        pg->membership_->abort(pg->queue_->error());
+      }
+      pg->shutdown();
+    }
+  }
+  Completions::instance().drain(Clock::now() + drain);
+}
 
 std::string ProcessGroupXirang::agreeGeneration(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                 std::chrono::milliseconds timeout, bool join,

@@ -107,6 +107,14 @@ class ProcessGroupXirang : public c10d::Backend {
 
   void abort() override;
   void shutdown() override;
+  // At interpreter exit (an atexit handler; the GIL released): every live group is shut down, its
+  // threads joined, as destroy_process_group would (aborted first, peers told, where operations
+  // are still queued or running, outside elastic mode), then the completion threads are drained
+  // for at most `drain`.
+  // After it no xirang thread drops the last reference to a tensor: one that did while Python
+  // finalizes would wait for the GIL and be ended by Python through a C++ destructor
+  // (std::terminate, "terminate called without an active exception").
+  static void shutdownAllForExit(std::chrono::milliseconds drain);
   void setTimeout(std::chrono::milliseconds timeout) override { cfg_.timeout = timeout; }
 
   // The hook's operation for one layer group: error-feedback allreduce (average) of a flat fp32

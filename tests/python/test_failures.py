@@ -242,12 +242,19 @@ import datetime, os, sys, time
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 
 
-def run(rank, port):
+SUBGROUP = None
+
+
+def run(rank, port, subgroup):
+    global SUBGROUP
     import xirang  # noqa: F401
     # rank 0's process hosts the TCPStore (env:// without torchrun's agent)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
     dist.init_process_group("xirang", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
     t = torch.ones(1000)
+    if subgroup:  # a group Python still holds after destroy_process_group: shut down again at exit
+        SUBGROUP = dist.new_group([0, 1])
+        dist.all_reduce(torch.ones(4), group=SUBGROUP)
     dist.all_reduce(t)
     dist.send(t, 1 - rank) if rank == 0 else dist.recv(t, 0)  # a TCP connection on every path
     assert t[0].item() == 2.0
@@ -260,15 +267,16 @@ def run(rank, port):
 
 
 if __name__ == "__main__":
-    mp.spawn(run, args=(int(sys.argv[1]),), nprocs=2)
+    mp.spawn(run, args=(int(sys.argv[1]), sys.argv[2] == "1"), nprocs=2)
 """
 
 
-@pytest.mark.parametrize("local", ["auto", "tcp"])
-def test_destroy_after_the_store_host_exited_is_quiet(tmp_path, local):
+@pytest.mark.parametrize("local,subgroup", [("auto", False), ("tcp", False), ("tcp", True)])
+def test_destroy_after_the_store_host_exited_is_quiet(tmp_path, local, subgroup):
     """A rank destroying its group after the rank that hosted the store exited writes no exit note
     (every peer is gone: nobody waits for it), so torch's TCPStore prints no failed send with a
-    C++ backtrace on a clean job end."""
+    C++ backtrace on a clean job end. With a subgroup Python still holds, shut down a second time
+    at exit (its connections closed by then), the note is not written again."""
     import socket
     import subprocess
     import sys
@@ -283,8 +291,78 @@ def test_destroy_after_the_store_host_exited_is_quiet(tmp_path, local):
     script = tmp_path / "store_host_exits.py"
     script.write_text(_STORE_HOST_EXITS)
     env = dict(os.environ, XIRANG_TRANSPORT_LOCAL=local, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, str(script), str(port)], env=env, capture_output=True, text=True, timeout=120,
-                       cwd=str(tmp_path))
+    p = subprocess.run([sys.executable, str(script), str(port), "1" if subgroup else "0"], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "rank 1 destroyed" in out, out[-4000:]
     assert "sendBytes failed" not in out and "Broken pipe" not in out and "frame #" not in out, out[-4000:]
+
+
+# ---------------------------------------------------------------- leaving Python without destroy
+_EXIT_AFTER_TIMEOUT = r"""
+import datetime, sys, time
+import torch, torch.distributed as dist
+import xirang  # noqa: F401
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("xirang", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=2))
+if rank == 0:
+    try:
+        dist.recv(torch.empty(4))  # from any rank; nobody sends
+    except RuntimeError as e:
+        print("rank 0 raised, timed out:", "timed out" in str(e), flush=True)
+else:
+    time.sleep(3)
+# no destroy_process_group: the interpreter exits with the group alive
+"""
+
+
+def test_exit_without_destroy_after_a_receive_timed_out_is_clean(tmp_path):
+    """A process leaving the interpreter with its group alive, just after a receive from any rank
+    timed out, exits with status 0. Before xirang's exit handler, the point-to-point thread could
+    drop the last reference to the receive's Work (and its tensor) while Python finalized; Python
+    ended that thread inside a C++ destructor ("terminate called without an active exception",
+    SIGABRT) in about one run of five. Three runs, TCP between the ranks."""
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import require_backend
+
+    require_backend("xirang")
+    script = tmp_path / "exit_after_timeout.py"
+    script.write_text(_EXIT_AFTER_TIMEOUT)
+    env = dict(os.environ, XIRANG_TRANSPORT_LOCAL="tcp", OMP_NUM_THREADS="1")
+    for attempt in range(3):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd=str(tmp_path)) for r in range(2)]
+        outs = [p.communicate(timeout=60) for p in procs]
+        for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+            assert p.returncode == 0 and "terminate called" not in err, (attempt, r, p.returncode, err[-3000:])
+        assert "rank 0 raised, timed out: True" in outs[0][0], (attempt, outs[0])
+
+
+def test_exit_handler_shuts_live_groups_down():
+    """xirang's atexit handler (registered when xirang._C loads) shuts every live group down, as
+    destroy_process_group would: the group then refuses operations with a clear error."""
+    import subprocess
+    import sys
+
+    code = (
+        "import datetime, torch, torch.distributed as dist, xirang\n"
+        "store = dist.TCPStore('127.0.0.1', 0, 1, True, timeout=datetime.timedelta(seconds=30))\n"
+        "dist.init_process_group('xirang', store=store, rank=0, world_size=1)\n"
+        "t = torch.ones(3); dist.all_reduce(t)\n"
+        "xirang._backend.load_C()._shutdown_for_exit()\n"
+        "try:\n"
+        "    dist.all_reduce(t)\n"
+        "except RuntimeError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "REFUSED" in p.stdout and "was shut down" in p.stdout, (p.stdout, p.stderr[-3000:])

@@ -157,6 +157,14 @@ bool Tcp::everyPeerGone(const std::function<bool(int)>& known_gone) {
 }
 
 void Tcp::leave(const std::function<bool(int)>& known_gone) {
+  {
+    // Once: a group shut down twice (destroy_process_group, then the exit handler for a subgroup
+    // Python still holds) has closed its connections by the second call, which could then no
+    // longer tell that every peer is gone, and would write into a store whose host has exited.
+    std::lock_guard<std::mutex> g(mu_);
+    if (left_) return;
+    left_ = true;
+  }
   if (!store_ || size_ <= 1 || everyPeerGone(known_gone)) return;
   try {
     store_->set(opts_.key_prefix + "/exit/" + std::to_string(rank_), "left");

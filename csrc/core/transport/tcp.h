@@ -107,7 +107,7 @@ class Tcp : public Link, public P2PLinks {
   // rank is gone already: it closed a connection with this one, or `known_gone(rank)` says so
   // (the shared-memory domain's process watch). Then nobody waits, and the store may have gone
   // with the rank that hosted it (torch's TCPStore prints such a failure with a backtrace).
-  // Never throws.
+  // Once per transport: later calls return at once. Never throws.
   void leave(const std::function<bool(int)>& known_gone = {});
   // Closes everything and joins the transport's threads. Idempotent.
   void close();
@@ -164,6 +164,7 @@ class Tcp : public Link, public P2PLinks {
   std::vector<int> dead_fds_;       // replaced, closed at close()
   std::unique_ptr<P2P> p2p_;
   bool closed_ = false;
+  bool left_ = false;  // leave() ran
   std::string abort_reason_;
   std::atomic<uint64_t> payload_sent_{0};
   std::map<int, Clock::time_point> last_probe_;  // peerGone's rate limit
