@@ -208,6 +208,7 @@ PYBIND11_MODULE(_C, m) {
         "Registered with atexit when xirang._C loads: shuts every live xirang group down (aborts one with "
         "operations pending) and drains the completion threads (at most 5 s), so that no xirang thread "
         "touches Python objects while the interpreter finalizes (ProcessGroupXirang::shutdownAllForExit).");
+  py::module_::import("atexit").attr("register")(m.attr("_shutdown_for_exit"));
   m.def("codec_path", [] { return std::string(xirang::codec::pathName(xirang::codec::activePath())); },
         "Name of the codec path in use: 'avx512bf16', 'avx2' or 'scalar' (XIRANG_CODEC overrides).");
   m.def("env_knobs", [] {

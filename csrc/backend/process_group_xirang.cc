@@ -134,14 +134,13 @@ void ProcessGroupXirang::shutdownAllForExit(std::chrono::milliseconds drain) {
   {
     std::lock_guard<std::mutex> g(liveMu());
     for (ProcessGroupXirang* pg : liveGroups()) {
-      if (pg->queue_ && !pg->cfg_.elastic && !pg->queue_->idle()) {
-        // Queued operations would otherwise run at the group's destruction, each up to its timeout.
-        // (Elastic groups: a rank that leaves is a lost rank the others rebuild without; no abort.)
-        pg->queue_->poison(rankPrefix(pg->rank_) + "the process exited with operations of group '" +
-                           pg->cfg_.group_name + "' pending");
-        pg->membership_->abort(pg->queue_->error());
-      }
-      pg->shutdown();
+      // Queued operations would otherwise run at the group's destruction, each up to its timeout.
+      // (Elastic groups: a rank that leaves is a lost rank the others rebuild without; no abort.)
+      if (pg->queue_ && !pg->cfg_.elastic && !pg->queue_->idle())
+        pg->abortWith(rankPrefix(pg->rank_) + "the process exited with operations of group '" + pg->cfg_.group_name +
+                      "' pending");
+      else
+        pg->shutdown();
     }
   }
   Completions::instance().drain(Clock::now() + drain);
@@ -167,9 +166,11 @@ void ProcessGroupXirang::shutdown() {
   if (records_) records_->stop();
 }
 
-void ProcessGroupXirang::abort() {
+void ProcessGroupXirang::abort() { abortWith(rankPrefix(rank_) + "process group aborted"); }
+
+void ProcessGroupXirang::abortWith(const std::string& why) {
   if (queue_) {
-    queue_->poison(rankPrefix(rank_) + "process group aborted");
+    queue_->poison(why);
     membership_->abort(queue_->error());
   }
   shutdown();

@@ -161,6 +161,8 @@ class ProcessGroupXirang : public c10d::Backend {
   const std::string& generation() const { return cfg_.generation; }
 
  private:
+  // abort() with `why` as the group's error (poisons the queue, tells the peers), then shutdown().
+  void abortWith(const std::string& why);
   // allreduce of one sparse COO CPU tensor (ReduceOp.SUM only, as gloo); see the .cc.
   c10::intrusive_ptr<c10d::Work> allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
   // Queues a collective (op_queue.h) and adds its Work to an open coalescing batch.

@@ -1,7 +1,6 @@
 """Creation of ProcessGroupXirang objects from torch.distributed's creator arguments."""
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import logging
@@ -34,22 +33,12 @@ def check_torch_version() -> None:
         )
 
 
-_exit_registered = False
-
-
 def load_C():
-    """Import and return xirang._C after the torch version check. The first call registers
-    ``_C._shutdown_for_exit`` with :mod:`atexit`: live groups are shut down (as
-    ``destroy_process_group`` would) before the interpreter finalizes, while their threads can
-    still release tensors (a thread that drops a tensor's last reference during finalization is
-    ended by Python inside a C++ destructor: "terminate called without an active exception")."""
-    global _exit_registered
+    """Import and return xirang._C after the torch version check. Loading it registers
+    ``_C._shutdown_for_exit`` with :mod:`atexit` (bindings.cpp)."""
     check_torch_version()
     from . import _C  # noqa: N812
 
-    if not _exit_registered:
-        _exit_registered = True
-        atexit.register(_C._shutdown_for_exit)
     return _C
 
 

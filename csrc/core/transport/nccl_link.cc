@@ -8,6 +8,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 
 namespace xirang::transport {
 
@@ -170,12 +171,9 @@ void NcclLink::fail(const std::string& what, bool timeout, int peer) {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (stop_why_.empty()) stop_why_ = what;
-    if (in_group_) {
-      abort_after_group_ = true;  // the open group holds the communicator: grouped() aborts after its end
-    } else if (!aborted_) {
-      (void)nccl_.commAbort(comm_);
-      aborted_ = true;
-    }
+    // An open group holds the communicator: grouped() aborts it after the group's end.
+    if (in_group_) abort_after_group_ = true;
+    else abortLocked();
   }
   if (timeout) throw TimeoutError(what, peer);
   throw TransportError(what, peer);
@@ -222,11 +220,7 @@ void NcclLink::grouped(Deadline deadline, const std::function<void()>& calls) {
     (void)nccl_.groupEnd();
     std::lock_guard<std::mutex> g(mu_);
     in_group_ = false;
-    if (abort_after_group_ && !aborted_) {
-      (void)nccl_.commAbort(comm_);
-      aborted_ = true;
-    }
-    abort_after_group_ = false;
+    if (std::exchange(abort_after_group_, false)) abortLocked();
     throw;
   }
   {
@@ -385,10 +379,13 @@ void NcclLink::exchange(std::vector<SendJob>& sends, std::vector<RecvJob>& recvs
 void NcclLink::abort(const std::string& why) {
   std::lock_guard<std::mutex> g(mu_);
   if (stop_why_.empty()) stop_why_ = "aborted: " + why;
-  if (!aborted_) {
-    (void)nccl_.commAbort(comm_);
-    aborted_ = true;
-  }
+  abortLocked();
+}
+
+void NcclLink::abortLocked() {
+  if (aborted_) return;
+  (void)nccl_.commAbort(comm_);
+  aborted_ = true;
 }
 
 void NcclLink::interrupt(const std::string& why) {

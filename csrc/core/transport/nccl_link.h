@@ -104,6 +104,7 @@ class NcclLink : public Link {
   static constexpr size_t kRecordBytes = 64;
   void check();  // throws if interrupted / aborted / broken
   [[noreturn]] void fail(const std::string& what, bool timeout, int peer = -1);
+  void abortLocked();  // under mu_: ncclCommAbort once
   void callNccl(int result, const char* call, Deadline deadline);
   void callCuda(int result, const char* call);
   void waitIdle(Deadline deadline, const std::string& what);
