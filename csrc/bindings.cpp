@@ -202,7 +202,7 @@ PYBIND11_MODULE(_C, m) {
         return py::none();
       },
       "The version ('2.27.3') of the libnccl.so.2 xirang loaded (cuda/nccl_api.h), or None: a build without "
-      "the CUDA path, or no NCCL loaded yet (it loads at the first XIRANG_CUDA_TRANSPORT=nccl group or op).");
+      "the CUDA path, or no NCCL loaded yet (it loads at the creation of a group with XIRANG_CUDA_TRANSPORT=nccl, or at the first CUDA collective of one with auto).");
   m.def("_shutdown_for_exit", [] { xirang::ProcessGroupXirang::shutdownAllForExit(std::chrono::seconds(5)); },
         py::call_guard<py::gil_scoped_release>(),
         "Registered with atexit when xirang._C loads: shuts every live xirang group down (aborts one with "

@@ -16,12 +16,14 @@
 //                    bound tensor is a pinned host mirror, the host engine's algorithm runs on the
 //                    mirrors between copyIn() and copyOut() on a side stream, and the Work's
 //                    outputs and Future are the user's device tensors.
-//   NCCL             (cuda/cuda_stage.h, XIRANG_CUDA_TRANSPORT=nccl) CUDA tensors: the bound
+//   NCCL             (cuda/cuda_stage.h, XIRANG_CUDA_TRANSPORT=nccl, or auto where every rank
+//                    has a GPU of its own) CUDA tensors: the bound
 //                    tensor is the user's own; the same algorithm runs over the engine's device
 //                    Comm (transport/nccl_link.h + algorithms/device_reducer.h) with the side
 //                    stream current, so every kernel, copy and NCCL call is on that stream.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -116,6 +118,7 @@ struct EngineSetup {
   std::string group_name;
   int rank = 0, size = 1;
   bool elastic = false;
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};  // the group's (XIRANG_CUDA_TRANSPORT=auto's choice)
   // Whether this rank's host Comm moves bytes through shared memory now (same-host peers in its
   // domain); unset: never. Called on the caller's thread when an op is staged.
   std::function<bool()> host_shm;

@@ -92,7 +92,7 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
     cfg_.generation = agreeGeneration(store, rank, size, cfg_.timeout, cfg_.join, cfg_.group_name);
   // Before anything starts a thread: a CUDA transport that cannot work fails the creation here.
   engines_.configure({.store = store_, .key_ns = generation::keyNamespace(cfg_.generation), .group_name = cfg_.group_name,
-                      .rank = rank, .size = size, .elastic = cfg_.elastic,
+                      .rank = rank, .size = size, .elastic = cfg_.elastic, .timeout = cfg_.timeout,
                       .host_shm = [this] { return membership_ && membership_->shmRanks().size() > 1; }});
   std::string algo;
   Comm comm = configure(rank, size, cfg_, algo);

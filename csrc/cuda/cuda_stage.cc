@@ -28,11 +28,12 @@
 namespace xirang::cudastage {
 
 namespace {
-// XIRANG_CUDA_TRANSPORT: "auto" (default) and "host" -> Host, "mirror" -> Mirror, "nccl" -> Nccl; anything else
-// throws c10::Error naming `rank` and the accepted values.
+// XIRANG_CUDA_TRANSPORT: "auto" (default) -> Auto, "host" -> Host, "mirror" -> Mirror, "nccl" -> Nccl; anything
+// else throws c10::Error naming `rank` and the accepted values.
 Transport transportSetting(int rank) {
   const std::string t = env::get("XIRANG_CUDA_TRANSPORT");  // declared in core/env.cc
-  if (t == "auto" || t == "host") return Transport::Host;
+  if (t == "auto") return Transport::Auto;
+  if (t == "host") return Transport::Host;
   if (t == "mirror") return Transport::Mirror;
   if (t == "nccl") return Transport::Nccl;
   TORCH_CHECK(false, rankPrefix(rank), "XIRANG_CUDA_TRANSPORT must be auto, host, mirror or nccl, got '", t, "'");
@@ -343,7 +344,7 @@ void LinkDevice::interrupt(const std::string& w) {
 
 // The NCCL engine's: the group's own communicator (see cuda_stage.h).
 struct NcclDevice : LinkDevice {
-  explicit NcclDevice(const EngineSetup& s) : LinkDevice(s, "XIRANG_CUDA_TRANSPORT=nccl", "nccl") {}
+  NcclDevice(const EngineSetup& s, std::string transport) : LinkDevice(s, std::move(transport), "nccl") {}
   transport::NcclLink& nccl() { return static_cast<transport::NcclLink&>(*link); }
   void synchronize(transport::Deadline deadline) override { nccl().synchronize(deadline); }
   void failed() override {
@@ -388,7 +389,7 @@ struct NcclDevice : LinkDevice {
 
 // The staged engine's: the group's TCP link under a StagedLink (see cuda_stage.h).
 struct StagedDevice : LinkDevice {
-  explicit StagedDevice(const EngineSetup& s) : LinkDevice(s, "XIRANG_CUDA_TRANSPORT=host", "staged") {}
+  StagedDevice(const EngineSetup& s, std::string transport) : LinkDevice(s, std::move(transport), "staged") {}
   transport::StagedLink& staged() { return static_cast<transport::StagedLink&>(*link); }
   void synchronize(transport::Deadline deadline) override { staged().synchronize(deadline); }
 
@@ -460,12 +461,43 @@ void DeviceStage::run(transport::Deadline deadline, const std::function<void()>&
   }
 }
 
+namespace {
+const char* transportName(Transport t) {
+  switch (t) {
+    case Transport::Auto: return "XIRANG_CUDA_TRANSPORT=auto";
+    case Transport::Host: return "XIRANG_CUDA_TRANSPORT=host";
+    case Transport::Mirror: return "XIRANG_CUDA_TRANSPORT=mirror";
+    case Transport::Nccl: return "XIRANG_CUDA_TRANSPORT=nccl";
+  }
+  return "XIRANG_CUDA_TRANSPORT";
+}
+
+// The text that names device `d` across processes and hosts: its UUID ("GPU-" and 32 hex digits).
+std::string gpuUuid(c10::Device d) {
+  cudaDeviceProp prop{};
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, d.index()));
+  static const char* hex = "0123456789abcdef";
+  std::string s = "GPU-";
+  for (unsigned char b : prop.uuid.bytes) {
+    s += hex[b >> 4];
+    s += hex[b & 15];
+  }
+  return s;
+}
+}  // namespace
+
 Engine::Engine(const EngineSetup& setup)
-    : setup_(setup), transport_(transportSetting(setup.rank)), nccl_(std::make_shared<NcclDevice>(setup)) {
+    : setup_(setup),
+      transport_(transportSetting(setup.rank)),
+      nccl_(std::make_shared<NcclDevice>(setup, transportName(transport_))) {
   // Elastic mode keeps the mirrors: a rebuilt ring replaces the host link under the device one,
-  // and its op retries restore their inputs on the host.
-  if (transport_ == Transport::Host && !setup_.elastic) staged_ = std::make_shared<StagedDevice>(setup);
+  // and its op retries restore their inputs on the host. Auto there never takes NCCL.
+  if ((transport_ == Transport::Host || transport_ == Transport::Auto) && !setup_.elastic)
+    staged_ = std::make_shared<StagedDevice>(setup, transportName(transport_));
+  if (transport_ == Transport::Auto && setup_.elastic) use_nccl_ = false;
+  if (transport_ == Transport::Host || transport_ == Transport::Mirror) use_nccl_ = false;
   if (transport_ != Transport::Nccl) return;
+  use_nccl_ = true;
   TORCH_CHECK(!setup_.elastic, rankPrefix(setup_.rank), "group '", setup_.group_name,
               "': XIRANG_CUDA_TRANSPORT=nccl does not support elastic mode (XIRANG_ELASTIC=1) yet: a rebuilt ring "
               "needs a new communicator; use XIRANG_CUDA_TRANSPORT=host");
@@ -489,21 +521,56 @@ bool Engine::stagedFits(const std::vector<at::Tensor>& tensors) const {
   return dev && staged_->accepts(*dev);
 }
 
+bool Engine::useNccl(bool device_link, const std::vector<at::Tensor>& tensors) {
+  std::lock_guard<std::mutex> g(decide_mu_);
+  if (use_nccl_) return *use_nccl_;
+  // XIRANG_CUDA_TRANSPORT=auto, this group's first CUDA collective (point-to-point does not decide:
+  // it takes the mirrors whatever the choice).
+  if (!device_link) return false;
+  c10::Device dev(c10::kCPU);
+  for (const auto& t : tensors)
+    if (t.defined() && t.is_cuda()) {
+      dev = t.device();
+      break;
+    }
+  transport::NcclCandidate mine;
+  mine.gpu = gpuUuid(dev);
+  if (!cuda::tryNcclApi(&mine.unavailable) && mine.unavailable.empty()) mine.unavailable = "NCCL did not load";
+  transport::NcclChoice c;
+  try {
+    c = transport::agreeOnNccl(*setup_.store, setup_.key_ns + "/cudadev/" + setup_.group_name, setup_.rank,
+                               setup_.size, mine, Clock::now() + setup_.timeout);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, rankPrefix(setup_.rank), "group '", setup_.group_name, "': XIRANG_CUDA_TRANSPORT=auto: ",
+                e.what());
+  }
+  use_nccl_ = c.nccl;
+  auto_why_ = c.why;
+  return c.nccl;
+}
+
 std::shared_ptr<OpStage> Engine::stage(bool device_link, const std::vector<at::Tensor>& tensors) {
-  std::call_once(said_, [&] {
-    std::string how;
-    if (transport_ == Transport::Nccl)
-      how = "over NCCL (XIRANG_CUDA_TRANSPORT=nccl; point-to-point host-staged)";
-    else if (staged_)
-      how = "host-staged: the codec and reductions as kernels on the GPU, only the bytes sent through pinned host "
-            "buffers and TCP (pinned mirrors of whole tensors and the CPU engine where ranks share a host's memory "
-            "or for point-to-point; XIRANG_CUDA_TRANSPORT=nccl runs them over NCCL)";
-    else
-      how = "host-staged: pinned host mirrors and the TCP/shared-memory engine (XIRANG_CUDA_TRANSPORT=nccl runs "
-            "them over NCCL)";
-    env::log(env::Level::Info, setup_.rank, "group '" + setup_.group_name + "': CUDA tensors run " + how);
-  });
-  if (transport_ == Transport::Nccl && device_link) return std::make_shared<DeviceStage>(streams_, nccl_);
+  const bool nccl = useNccl(device_link, tensors);
+  {
+    std::lock_guard<std::mutex> g(decide_mu_);
+    if (!said_ && use_nccl_) {
+      said_ = true;
+      std::string how;
+      const std::string why = auto_why_.empty() ? std::string() : ": " + auto_why_;
+      if (*use_nccl_)
+        how = std::string("over NCCL (") + transportName(transport_) + why + "; point-to-point host-staged)";
+      else if (staged_)
+        how = std::string("host-staged (") + transportName(transport_) + why +
+              "): the codec and reductions as kernels on the GPU, only the bytes sent through pinned host buffers "
+              "and TCP (pinned mirrors of whole tensors and the CPU engine where ranks share a host's memory or for "
+              "point-to-point)";
+      else
+        how = std::string("host-staged (") + transportName(transport_) + why +
+              "): pinned host mirrors and the TCP/shared-memory engine";
+      env::log(env::Level::Info, setup_.rank, "group '" + setup_.group_name + "': CUDA tensors run " + how);
+    }
+  }
+  if (nccl && device_link) return std::make_shared<DeviceStage>(streams_, nccl_);
   if (device_link && stagedFits(tensors)) return std::make_shared<DeviceStage>(streams_, staged_);
   return std::make_shared<Stage>(streams_);
 }

@@ -1,7 +1,9 @@
 // The CUDA engines of ProcessGroupXirang (backend/device_engine.h; built only with
-// XIRANG_WITH_CUDA). XIRANG_CUDA_TRANSPORT picks them, read once per group: "auto" (default) and
-// "host" the host-staged engines, "mirror" the mirror engine only, "nccl" the NCCL engine;
-// point-to-point takes the mirror engine in every case.
+// XIRANG_WITH_CUDA). XIRANG_CUDA_TRANSPORT picks them, read once per group: "nccl" the NCCL
+// engine, "host" the host-staged engines, "mirror" the mirror engine only, "auto" (default) NCCL
+// or host as the group's first CUDA collective decides (Engine::useNccl: NCCL when it loaded on
+// every rank and no two ranks use one GPU; never in elastic mode); point-to-point takes the
+// mirror engine in every case.
 //
 // Staged (auto / host, where it fits): the core's algorithms run on the user's tensors themselves
 // with the device reducer's kernels (algorithms/device_reducer.h) on the engine's stream, over a
@@ -51,8 +53,7 @@
 // on a peer that failed elsewhere learns it from the group's store abort note, polled every
 // 200 ms of a wait (NcclLink::setStopCheck).
 // Not yet: NCCL in elastic mode (a rebuilt ring needs a new communicator: refused with a clear
-// error), several devices per group over NCCL, and "auto" choosing NCCL (auto takes the host-staged
-// engines, which have not run on a GPU either).
+// error, and auto takes the host-staged engines there), and several devices per group over NCCL.
 //
 // Streams, all xirang's own (never torch's pool, whose streams other groups and libraries share):
 // per device and process group the mirror engine's side stream and the completion stream, made on
@@ -63,6 +64,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -75,7 +78,7 @@
 namespace xirang::cudastage {
 
 // XIRANG_CUDA_TRANSPORT, read once per group by the Engine.
-enum class Transport { Host, Mirror, Nccl };
+enum class Transport { Auto, Host, Mirror, Nccl };
 
 struct StreamsImpl;
 // The side streams of one process group.
@@ -184,12 +187,20 @@ class Engine : public DeviceEngine {
  private:
   // Whether an op on `tensors` takes the staged engine (see the top of this file).
   bool stagedFits(const std::vector<at::Tensor>& tensors) const;
+  // Whether an op takes the NCCL engine. Under auto the group's first CUDA collective decides, on
+  // every rank, by a store round (transport::agreeOnNccl: NCCL when it loaded everywhere and every
+  // rank's GPU is its own; this blocks the caller until every rank has reached it, at most the
+  // group's timeout: c10::Error naming the rank that did not come).
+  bool useNccl(bool device_link, const std::vector<at::Tensor>& tensors);
   EngineSetup setup_;
   Transport transport_;
   Streams streams_;
   std::shared_ptr<NcclDevice> nccl_;
   std::shared_ptr<StagedDevice> staged_;  // null unless auto / host and not elastic
-  std::once_flag said_;  // the INFO line naming the transport, once per group
+  std::mutex decide_mu_;                  // the three below
+  std::optional<bool> use_nccl_;          // unset: auto, not decided yet
+  std::string auto_why_;                  // auto's reason
+  bool said_ = false;                     // the INFO line naming the transport, once per group
 };
 
 }  // namespace xirang::cudastage

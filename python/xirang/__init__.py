@@ -27,8 +27,9 @@ def build_info() -> dict:
 
     Returns a dict: xirang (version), torch (the version built against), torch_running,
     cuda (CUDA version of the CUDA path, None when not built), nccl (the version of the
-    libnccl.so.2 xirang loaded at run time, e.g. '2.27.3'; None before a group or op with
-    XIRANG_CUDA_TRANSPORT=nccl loaded it, and in a build without the CUDA path; torch's own is
+    libnccl.so.2 xirang loaded at run time, e.g. '2.27.3'; None before a group with
+    XIRANG_CUDA_TRANSPORT=nccl, or the first CUDA collective of a group with auto, loaded it, and in a
+    build without the CUDA path; torch's own is
     torch.cuda.nccl.version()),
     compiler, codec (SIMD path in use: 'avx512bf16', 'avx2' or 'scalar').
     Raises TorchVersionMismatch if the running torch differs from the one built against.

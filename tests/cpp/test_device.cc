@@ -931,3 +931,105 @@ TEST_CASE("staged: an interrupt ends a wait for the stream at once", "[device][s
   CHECK(what == "the group was poisoned");
   CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));
 }
+
+// XIRANG_CUDA_TRANSPORT=auto's NCCL-or-host choice (nccl_link.h: chooseNccl, agreeOnNccl).
+TEST_CASE("auto transport: NCCL only when every rank is auto, loaded NCCL and has a GPU of its own", "[device]") {
+  using C = tp::NcclCandidate;
+  auto gpus = [](std::vector<std::string> ids) {
+    std::vector<C> v;
+    for (auto& id : ids) v.push_back(C{true, "", id});
+    return v;
+  };
+  for (int n = 1; n <= 8; ++n) {
+    std::vector<std::string> ids;
+    for (int r = 0; r < n; ++r) ids.push_back("GPU-" + std::to_string(r));
+    const auto c = tp::chooseNccl(gpus(ids));
+    CAPTURE(n, c.why);
+    CHECK(c.nccl);
+    CHECK(c.why.find(std::to_string(n) + " ranks has a GPU of its own") != std::string::npos);
+  }
+  // two ranks on one GPU (four ranks on two GPUs: the first pair found, in rank order)
+  auto shared = tp::chooseNccl(gpus({"GPU-a", "GPU-b", "GPU-b", "GPU-a"}));
+  CHECK_FALSE(shared.nccl);
+  CHECK(shared.why == "rank 1 and rank 2 share GPU GPU-b (NCCL refuses two ranks on one GPU)");
+  // a rank that set host or mirror
+  auto v = gpus({"GPU-a", "GPU-b", "GPU-c"});
+  v[2].automatic = false;
+  auto host = tp::chooseNccl(v);
+  CHECK_FALSE(host.nccl);
+  CHECK(host.why == "rank 2 has XIRANG_CUDA_TRANSPORT=host or mirror");
+  // a rank without NCCL
+  v = gpus({"GPU-a", "GPU-b"});
+  v[1].unavailable = "dlopen(libnccl.so.2) failed";
+  auto missing = tp::chooseNccl(v);
+  CHECK_FALSE(missing.nccl);
+  CHECK(missing.why == "rank 1 cannot use NCCL: dlopen(libnccl.so.2) failed");
+  // a rank that named no GPU
+  v = gpus({"", "GPU-b"});
+  CHECK(tp::chooseNccl(v).why == "rank 0 named no GPU");
+  CHECK_FALSE(tp::chooseNccl(v).nccl);
+}
+
+TEST_CASE("auto transport: the store round gives every auto rank the same choice, WS 1-6", "[device]") {
+  for (int n = 1; n <= 6; ++n) {
+    for (int variant = 0; variant < 4; ++variant) {
+      // 0: own GPUs; 1: the last two share one; 2: rank 0 set host; 3: the last rank lacks NCCL
+      MemStore store;
+      std::vector<tp::NcclChoice> got(static_cast<size_t>(n));
+      std::vector<tp::NcclCandidate> in;
+      for (int r = 0; r < n; ++r) in.push_back(tp::NcclCandidate{true, "", "GPU|" + std::to_string(r)});
+      if (variant == 1 && n > 1) in[static_cast<size_t>(n - 1)].gpu = in[static_cast<size_t>(n - 2)].gpu;
+      if (variant == 2) in[0].automatic = false;
+      if (variant == 3) in[static_cast<size_t>(n - 1)].unavailable = "too old: 2.17 | needs 2.19";
+      runRanks(n, [&](int r) {
+        // ranks arrive late in reverse order: the reads wait
+        std::this_thread::sleep_for(milliseconds(5 * (n - r)));
+        got[static_cast<size_t>(r)] =
+            tp::agreeOnNccl(store, "xirang/test/0/cudadev/g", r, n, in[static_cast<size_t>(r)], after(milliseconds(10000)));
+      });
+      const bool want = variant == 0 || (variant == 1 && n == 1);
+      for (int r = 0; r < n; ++r) {
+        CAPTURE(n, variant, r, got[static_cast<size_t>(r)].why);
+        CHECK(got[static_cast<size_t>(r)].nccl == want);
+        if (in[static_cast<size_t>(r)].automatic) CHECK(got[static_cast<size_t>(r)].why == got[static_cast<size_t>(n - 1)].why);
+      }
+      if (variant == 3)
+        CHECK(got[0].why == "rank " + std::to_string(n - 1) + " cannot use NCCL: too old: 2.17 | needs 2.19");
+      if (variant == 1 && n > 1)
+        CHECK(got[0].why.find("rank " + std::to_string(n - 2) + " and rank " + std::to_string(n - 1) + " share GPU") !=
+              std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("auto transport: a rank that never says ends in a TimeoutError naming it; a garbled record means host",
+          "[device]") {
+  MemStore store;
+  const tp::NcclCandidate mine{true, "", "GPU-0"};
+  std::string what;
+  const auto t0 = xirang_test::Clock::now();
+  try {
+    (void)tp::agreeOnNccl(store, "k", 0, 3, mine, after(milliseconds(200)));
+  } catch (const tp::TimeoutError& e) {
+    what = e.what();
+  }
+  CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));
+  CHECK(what.find("rank 1 did not say whether it can use NCCL") != std::string::npos);
+  CHECK(what.find("XIRANG_CUDA_TRANSPORT=host") != std::string::npos);
+
+  for (const std::string& bad : {std::string(""), std::string("xirang-nccl-candidate 1|"),
+                                std::string("xirang-nccl-candidate 1|2|GPU-1|"), std::string("xirang-nccl-candidate 1|1|GPU-1"),
+                                std::string("something else entirely"), std::string(5000, 'x')}) {
+    MemStore s2;
+    s2.set("k/1", bad);
+    const auto c = tp::agreeOnNccl(s2, "k", 0, 2, mine, after(milliseconds(1000)));
+    CAPTURE(bad.size());
+    CHECK_FALSE(c.nccl);
+    CHECK(c.why.find("rank 1 cannot use NCCL: its record (" + std::to_string(bad.size()) + " bytes) did not parse") !=
+          std::string::npos);
+  }
+  // the same record, well formed, is NCCL
+  MemStore s3;
+  s3.set("k/1", "xirang-nccl-candidate 1|1|GPU-1|");
+  CHECK(tp::agreeOnNccl(s3, "k", 0, 2, mine, after(milliseconds(1000))).nccl);
+}

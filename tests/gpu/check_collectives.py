@@ -1,7 +1,8 @@
 """GPU check: 4 ranks sharing GPU 0 through xirang's host-staged CUDA transport (the mirror engine,
 as the ranks share a host's memory; with XIRANG_TRANSPORT_LOCAL=tcp the staged engine: kernels on
-the GPU over a StagedLink), or (with XIRANG_CUDA_TRANSPORT=nccl, WORLD 1: NCCL refuses two ranks
-on one GPU) the NCCL engine.
+the GPU over a StagedLink), or (WORLD 1: NCCL refuses two ranks on one GPU) the NCCL engine, which
+XIRANG_CUDA_TRANSPORT=auto (the default) must choose for one rank and must not for ranks sharing
+the GPU: the records' engine is checked in both cases.
 
     python tests/gpu/check_collectives.py OUT_DIR [WORLD]
     python tests/gpu/check_collectives.py OUT_DIR [WORLD] --cpu   # a dry run on CPU tensors (CI)
@@ -12,7 +13,7 @@ issued while the caller's stream is still writing the input (torch.cuda._sleep, 
 add): the result must come from the finished values; likewise for a coalesced batch's Work (two
 allreduces, and a batch_isend_irecv ring shift), and a recv whose tensor a kernel queued before it
 still reads (the reader must see the old values). Rank 0 writes OUT_DIR/collectives.json
-(collectives-nccl.json under XIRANG_CUDA_TRANSPORT=nccl, collectives-staged.json under
+(collectives-nccl.json for WORLD 1 or XIRANG_CUDA_TRANSPORT=nccl, collectives-staged.json under
 XIRANG_TRANSPORT_LOCAL=tcp). With --cpu the "device" tensors are CPU tensors (no producer kernel:
 the checks cannot see a missing stream wait there) and the engine expected is "host": a dry run
 of the script itself, run by test_collectives::test_gpu_collectives_check_dry_run.
@@ -27,6 +28,12 @@ import torch
 import torch.distributed as dist
 
 import ranks  # tests/gpu/ranks.py
+
+
+def nccl_expected(world):
+    """Whether the NCCL engine must run the CUDA ops: forced, or auto with one rank."""
+    t = os.environ.get("XIRANG_CUDA_TRANSPORT", "auto")
+    return t == "nccl" or (t == "auto" and world == 1)
 
 
 def worker(rank, world, port, out, cpu, q):
@@ -144,9 +151,10 @@ def worker(rank, world, port, out, cpu, q):
         dist.all_reduce(y)
         y.mul_(2)
         results["allreduce_then_inplace"] = bool((y == 2.0 * sum(range(world))).all().item())
-        # Which engine ran the CUDA ops (records): staged where XIRANG_TRANSPORT_LOCAL=tcp, nccl under
-        # XIRANG_CUDA_TRANSPORT=nccl, else mirror (the ranks share host memory).
-        want = ("host" if cpu else "nccl" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl"
+        # Which engine ran the CUDA ops (records): nccl under XIRANG_CUDA_TRANSPORT=nccl and, under auto,
+        # for one rank (its GPU is its own); else (ranks share GPU 0) staged where
+        # XIRANG_TRANSPORT_LOCAL=tcp, mirror where the ranks share host memory.
+        want = ("host" if cpu else "nccl" if nccl_expected(world)
                 else "staged" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "mirror")
         engines = sorted({r["engine"] for r in xirang.stats() if cpu or r["engine"] != "host"})
         results[f"engine is {want} (records: {engines})"] = engines == [want]
@@ -198,7 +206,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     got = ranks.run(worker, world, out, cpu, timeout=240)
     ok = all("error" not in res and all(res.values()) for res in got.values()) and len(got) == world
-    name = ("collectives-nccl.json" if os.environ.get("XIRANG_CUDA_TRANSPORT") == "nccl"
+    name = ("collectives-nccl.json" if nccl_expected(world)
             else "collectives-staged.json" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "collectives.json")
     with open(os.path.join(out, name), "w") as f:
         json.dump({"ok": ok, "ranks": got}, f, indent=1)

@@ -18,10 +18,11 @@
 #                abort (device_checks nccl)
 #   kernel_bits  CUDA kernels == CPU codec bits (tests/gpu/check_kernels.py bits)
 #   kernel_speed kernels vs device-to-device copy at 256 MiB, target >= 0.8 (check_kernels.py speed)
-#   collectives  4 ranks on GPU 0, the mirror engine (the ranks share host memory): == CPU path
-#                bitwise; allreduce and coalesced batches behind a long kernel (check_collectives.py;
-#                its --cpu flag dry-runs the script here, as check_ddp.py's does)
-#   collectives_nccl  the same checks through the backend's NCCL engine (XIRANG_CUDA_TRANSPORT=nccl),
+#   collectives  4 ranks on GPU 0, the mirror engine (the ranks share host memory; auto must not
+#                choose NCCL for ranks sharing a GPU): == CPU path bitwise; allreduce and coalesced
+#                batches behind a long kernel (check_collectives.py; its --cpu flag dry-runs the
+#                script here, as check_ddp.py's does)
+#   collectives_nccl  the same checks through the backend's NCCL engine, which auto must choose for
 #                one rank (NCCL refuses two ranks on one GPU): the device Comm, kernels on the side
 #                stream, the stream discipline and the communicator's creation through the store
 #   collectives_staged  the same 4 ranks with XIRANG_TRANSPORT_LOCAL=tcp (no shared-memory domain):
@@ -128,12 +129,12 @@ fi
 step kernel_bits 60 env XIRANG_CODEC=scalar "$PY" "$root/tests/gpu/check_kernels.py" "$OUT" bits
 step kernel_speed 40 "$PY" "$root/tests/gpu/check_kernels.py" "$OUT" speed
 grep -h "speed" "$OUT/kernel_speed.log" >> "$summary" 2>/dev/null
-step collectives 90 "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 4
-grep -h "FAIL" "$OUT/collectives.log" >> "$summary" 2>/dev/null
+step collectives 90 env XIRANG_DEBUG=INFO "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 4
+grep -h "FAIL\|CUDA tensors run" "$OUT/collectives.log" >> "$summary" 2>/dev/null
 step collectives_staged 60 env XIRANG_TRANSPORT_LOCAL=tcp XIRANG_DEBUG=INFO "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 4
 grep -h "FAIL\|CUDA tensors run" "$OUT/collectives_staged.log" >> "$summary" 2>/dev/null
-step collectives_nccl 60 env XIRANG_CUDA_TRANSPORT=nccl XIRANG_DEBUG=INFO "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 1
-grep -h "FAIL\|NCCL communicator" "$OUT/collectives_nccl.log" >> "$summary" 2>/dev/null
+step collectives_nccl 60 env XIRANG_CUDA_TRANSPORT=auto XIRANG_DEBUG=INFO "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 1
+grep -h "FAIL\|NCCL communicator\|CUDA tensors run" "$OUT/collectives_nccl.log" >> "$summary" 2>/dev/null
 step ddp 120 "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50
 grep -h "ddp" "$OUT/ddp.log" >> "$summary" 2>/dev/null
 step ddp_staged 90 env XIRANG_TRANSPORT_LOCAL=tcp "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50

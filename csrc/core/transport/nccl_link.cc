@@ -72,6 +72,77 @@ dv::NcclUniqueId shareNcclUniqueId(dv::NcclApi& nccl, Store& store, const std::s
   return id;
 }
 
+NcclChoice chooseNccl(const std::vector<NcclCandidate>& ranks) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    const NcclCandidate& c = ranks[r];
+    const std::string who = "rank " + std::to_string(r);
+    if (!c.automatic) return {false, who + " has XIRANG_CUDA_TRANSPORT=host or mirror"};
+    if (!c.unavailable.empty()) return {false, who + " cannot use NCCL: " + c.unavailable};
+    if (c.gpu.empty()) return {false, who + " named no GPU"};
+    for (size_t s = 0; s < r; ++s)
+      if (ranks[s].gpu == c.gpu)
+        return {false, "rank " + std::to_string(s) + " and " + who + " share GPU " + c.gpu +
+                           " (NCCL refuses two ranks on one GPU)"};
+  }
+  return {true, "NCCL loaded on every rank and each of the " + std::to_string(ranks.size()) +
+                    " ranks has a GPU of its own"};
+}
+
+namespace {
+constexpr size_t kCandidateMaxBytes = 4096;
+// "xirang-nccl-candidate 1|<automatic 0/1>|<gpu>|<unavailable...>"; the GPU text has no '|'.
+constexpr const char* kCandidateTag = "xirang-nccl-candidate 1|";
+
+std::string encodeCandidate(const NcclCandidate& c) {
+  std::string gpu = c.gpu;
+  std::replace(gpu.begin(), gpu.end(), '|', '_');
+  std::string s = std::string(kCandidateTag) + (c.automatic ? "1" : "0") + "|" + gpu + "|" + c.unavailable;
+  if (s.size() > kCandidateMaxBytes) s.resize(kCandidateMaxBytes);
+  return s;
+}
+
+NcclCandidate decodeCandidate(const std::string& v, int rank) {
+  const size_t a = std::strlen(kCandidateTag);  // v[a]: automatic; v[a + 1]: '|'; then gpu '|' unavailable
+  NcclCandidate c;
+  const bool framed = v.size() <= kCandidateMaxBytes && v.size() >= a + 2 && v.compare(0, a, kCandidateTag) == 0 &&
+                      (v[a] == '0' || v[a] == '1') && v[a + 1] == '|';
+  const size_t e = framed ? v.find('|', a + 2) : std::string::npos;
+  if (e == std::string::npos) {
+    c.unavailable = "its record (" + std::to_string(v.size()) + " bytes) did not parse (rank " + std::to_string(rank) +
+                    " runs another xirang version?)";
+    return c;
+  }
+  c.automatic = v[a] == '1';
+  c.gpu = v.substr(a + 2, e - (a + 2));
+  c.unavailable = v.substr(e + 1);
+  return c;
+}
+}  // namespace
+
+NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size, const NcclCandidate& mine,
+                       Deadline deadline) {
+  store.set(key + "/" + std::to_string(rank), encodeCandidate(mine));
+  if (!mine.automatic) return {false, "this rank has XIRANG_CUDA_TRANSPORT=host or mirror"};
+  std::vector<NcclCandidate> all(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) {
+      all[static_cast<size_t>(r)] = decodeCandidate(encodeCandidate(mine), r);  // as the others read it
+      continue;
+    }
+    std::string v;
+    try {
+      v = store.get(key + "/" + std::to_string(r), deadline);
+    } catch (const std::exception& ex) {
+      throw TimeoutError("rank " + std::to_string(r) + " did not say whether it can use NCCL by the group's timeout (" +
+                             "XIRANG_CUDA_TRANSPORT=auto decides at the first CUDA collective, which every rank must run " +
+                             "on CUDA tensors; set XIRANG_CUDA_TRANSPORT=host where ranks mix CPU and CUDA): " + ex.what(),
+                         -1);
+    }
+    all[static_cast<size_t>(r)] = decodeCandidate(v, r);
+  }
+  return chooseNccl(all);
+}
+
 dv::NcclComm initNcclComm(dv::NcclApi& nccl, const dv::NcclUniqueId& id, int rank, int size, Deadline deadline,
                           const std::string& name) {
   dv::NcclConfig cfg;

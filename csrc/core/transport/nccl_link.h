@@ -66,6 +66,34 @@ device::NcclUniqueId shareNcclUniqueId(device::NcclApi& nccl, Store& store, cons
 device::NcclComm initNcclComm(device::NcclApi& nccl, const device::NcclUniqueId& id, int rank, int size,
                               Deadline deadline, const std::string& name = "");
 
+// XIRANG_CUDA_TRANSPORT=auto's choice between the NCCL engine and the host-staged ones, made once
+// per group at its first CUDA collective (#12: NCCL when it loaded and every rank has a GPU of its
+// own; NCCL refuses two ranks on one GPU). What one rank says of itself:
+struct NcclCandidate {
+  bool automatic = true;    // its setting is auto (host / mirror: never NCCL, and it does not wait)
+  std::string unavailable;  // empty: this rank loaded NCCL; else why not (shown in the reason)
+  std::string gpu;          // its op's GPU, as a text that names one GPU across processes (the UUID)
+};
+struct NcclChoice {
+  bool nccl = false;
+  std::string why;  // one line: why NCCL, or the first reason (in rank order) why not
+};
+
+// The choice from every rank's candidate (index = rank): NCCL iff every rank is automatic, loaded
+// NCCL and names a GPU (non-empty) that no other rank names. Pure: equal inputs, equal outputs.
+NcclChoice chooseNccl(const std::vector<NcclCandidate>& ranks);
+
+// The store round of that choice. Every rank sets its candidate under `key`/<rank>. An automatic
+// rank then reads every rank's (in rank order, waiting until `deadline`) and returns
+// chooseNccl() of them, the same on every automatic rank; a non-automatic rank returns
+// {false, its setting} at once (the automatic ones see it and choose host too). A record is at
+// most 4 KiB and parsed defensively: one that does not parse counts as that rank's reason not to
+// use NCCL. TimeoutError (peer -1) naming the first rank whose record did not come by
+// `deadline` (a rank that never runs a CUDA collective on this group: set
+// XIRANG_CUDA_TRANSPORT=host there).
+NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size, const NcclCandidate& mine,
+                       Deadline deadline);
+
 class NcclLink : public Link {
  public:
   // Owns `comm` (rank `rank` of `size`); orders everything on `stream` (not owned). Allocates
