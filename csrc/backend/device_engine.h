@@ -122,6 +122,9 @@ struct EngineSetup {
   // Whether this rank's host Comm moves bytes through shared memory now (same-host peers in its
   // domain); unset: never. Called on the caller's thread when an op is staged.
   std::function<bool()> host_shm;
+  // "" while group rank `peer` may still take part, else why not (Membership::peerGone); unset:
+  // never gone. Any thread (auto's choice polls it while it waits for a peer's record).
+  std::function<std::string(int)> peer_gone;
 };
 
 // The engines of one process group.

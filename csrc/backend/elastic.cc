@@ -187,6 +187,15 @@ std::string Membership::address() const {
   return tcp_ ? tcp_->address() : "";
 }
 
+std::string Membership::peerGone(int peer) const {
+  std::shared_ptr<transport::Tcp> tcp;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    tcp = tcp_;
+  }
+  return tcp ? tcp->peerGone(peer) : std::string();
+}
+
 // Not under mu_: this may run on the caller's thread (point-to-point) while the transport calls
 // back into the group.
 void Membership::abort(const std::string& why) {

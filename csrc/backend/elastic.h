@@ -90,6 +90,9 @@ class Membership {
   // The algorithms' view (communication thread only).
   Comm& comm() { return comm_; }
   std::string address() const;
+  // Any thread: "" while group rank `peer` may still take part, else why not (the TCP transport's
+  // peerGone: its connection closed, its exit note, a refused probe, or the group's abort note).
+  std::string peerGone(int peer) const;
   // Fails every connection: abort frames to the peers, the store's abort note, the abort word
   // of the shared-memory domain (its waiters in every local process wake up and throw).
   void abort(const std::string& why);

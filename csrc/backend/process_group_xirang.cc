@@ -93,7 +93,8 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   // Before anything starts a thread: a CUDA transport that cannot work fails the creation here.
   engines_.configure({.store = store_, .key_ns = generation::keyNamespace(cfg_.generation), .group_name = cfg_.group_name,
                       .rank = rank, .size = size, .elastic = cfg_.elastic, .timeout = cfg_.timeout,
-                      .host_shm = [this] { return membership_ && membership_->shmRanks().size() > 1; }});
+                      .host_shm = [this] { return membership_ && membership_->shmRanks().size() > 1; },
+                      .peer_gone = [this](int peer) { return membership_ ? membership_->peerGone(peer) : std::string(); }});
   std::string algo;
   Comm comm = configure(rank, size, cfg_, algo);
   records_ = std::make_unique<Records>(rank, size, cfg_);

@@ -539,7 +539,7 @@ bool Engine::useNccl(bool device_link, const std::vector<at::Tensor>& tensors) {
   transport::NcclChoice c;
   try {
     c = transport::agreeOnNccl(*setup_.store, setup_.key_ns + "/cudadev/" + setup_.group_name, setup_.rank,
-                               setup_.size, mine, Clock::now() + setup_.timeout);
+                               setup_.size, mine, Clock::now() + setup_.timeout, setup_.peer_gone);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, rankPrefix(setup_.rank), "group '", setup_.group_name, "': XIRANG_CUDA_TRANSPORT=auto: ",
                 e.what());

@@ -9,6 +9,7 @@
 // rank's stream is idle (after NcclLink::synchronize). Rank threads never call Catch.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1016,6 +1017,31 @@ TEST_CASE("auto transport: a rank that never says ends in a TimeoutError naming 
   CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));
   CHECK(what.find("rank 1 did not say whether it can use NCCL") != std::string::npos);
   CHECK(what.find("XIRANG_CUDA_TRANSPORT=host") != std::string::npos);
+
+  // a peer found gone (the group's TCP transport: closed connection, exit note) ends the wait at once
+  {
+    MemStore s1;
+    s1.set("k/1", "xirang-nccl-candidate 1|1|GPU-1|");  // rank 1 said; rank 2 died before saying
+    std::string gone_what;
+    int gone_peer = -1;
+    std::vector<int> asked;
+    const auto t1 = xirang_test::Clock::now();
+    try {
+      (void)tp::agreeOnNccl(s1, "k", 0, 3, mine, after(milliseconds(20000)), [&](int peer) {
+        asked.push_back(peer);
+        return peer == 2 && asked.size() >= 3 ? std::string("rank 2 closed its connection to this rank") : std::string();
+      });
+    } catch (const tp::TimeoutError&) {
+      gone_what = "timeout";
+    } catch (const tp::TransportError& e) {
+      gone_what = e.what();
+      gone_peer = e.peer();
+    }
+    CHECK(xirang_test::Clock::now() - t1 < milliseconds(5000));
+    CHECK(gone_what == "rank 2 closed its connection to this rank (waiting for rank 2 to say whether it can use NCCL)");
+    CHECK(gone_peer == 2);
+    CHECK(std::find(asked.begin(), asked.end(), 1) == asked.end());  // rank 1's record was there: not asked
+  }
 
   for (const std::string& bad : {std::string(""), std::string("xirang-nccl-candidate 1|"),
                                 std::string("xirang-nccl-candidate 1|2|GPU-1|"), std::string("xirang-nccl-candidate 1|1|GPU-1"),

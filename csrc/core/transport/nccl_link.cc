@@ -120,7 +120,7 @@ NcclCandidate decodeCandidate(const std::string& v, int rank) {
 }  // namespace
 
 NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size, const NcclCandidate& mine,
-                       Deadline deadline) {
+                       Deadline deadline, const std::function<std::string(int)>& gone) {
   store.set(key + "/" + std::to_string(rank), encodeCandidate(mine));
   if (!mine.automatic) return {false, "this rank has XIRANG_CUDA_TRANSPORT=host or mirror"};
   std::vector<NcclCandidate> all(static_cast<size_t>(size));
@@ -129,16 +129,22 @@ NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size,
       all[static_cast<size_t>(r)] = decodeCandidate(encodeCandidate(mine), r);  // as the others read it
       continue;
     }
-    std::string v;
-    try {
-      v = store.get(key + "/" + std::to_string(r), deadline);
-    } catch (const std::exception& ex) {
-      throw TimeoutError("rank " + std::to_string(r) + " did not say whether it can use NCCL by the group's timeout (" +
-                             "XIRANG_CUDA_TRANSPORT=auto decides at the first CUDA collective, which every rank must run " +
-                             "on CUDA tensors; set XIRANG_CUDA_TRANSPORT=host where ranks mix CPU and CUDA): " + ex.what(),
-                         -1);
+    const std::string k = key + "/" + std::to_string(r);
+    const std::string who = "rank " + std::to_string(r);
+    for (;;) {
+      if (store.check(k)) break;
+      if (gone) {
+        const std::string why = gone(r);
+        if (!why.empty()) throw TransportError(why + " (waiting for " + who + " to say whether it can use NCCL)", r);
+      }
+      if (Clock::now() >= deadline)
+        throw TimeoutError(who + " did not say whether it can use NCCL by the group's timeout (" +
+                               "XIRANG_CUDA_TRANSPORT=auto decides at the first CUDA collective, which every rank must " +
+                               "run on CUDA tensors; set XIRANG_CUDA_TRANSPORT=host where ranks mix CPU and CUDA)",
+                           -1);
+      std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(50), deadline - Clock::now()));
     }
-    all[static_cast<size_t>(r)] = decodeCandidate(v, r);
+    all[static_cast<size_t>(r)] = decodeCandidate(store.get(k, deadline), r);
   }
   return chooseNccl(all);
 }

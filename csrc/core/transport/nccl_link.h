@@ -88,11 +88,14 @@ NcclChoice chooseNccl(const std::vector<NcclCandidate>& ranks);
 // chooseNccl() of them, the same on every automatic rank; a non-automatic rank returns
 // {false, its setting} at once (the automatic ones see it and choose host too). A record is at
 // most 4 KiB and parsed defensively: one that does not parse counts as that rank's reason not to
-// use NCCL. TimeoutError (peer -1) naming the first rank whose record did not come by
+// use NCCL. While it waits for rank r's record it polls the store (about every 50 ms) and
+// `gone(r)` (may be empty), whose non-empty answer ends the wait with a TransportError (peer r)
+// carrying it: a peer that died before its first CUDA collective fails the others within a poll,
+// not at the timeout. TimeoutError (peer -1) naming the first rank whose record did not come by
 // `deadline` (a rank that never runs a CUDA collective on this group: set
 // XIRANG_CUDA_TRANSPORT=host there).
 NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size, const NcclCandidate& mine,
-                       Deadline deadline);
+                       Deadline deadline, const std::function<std::string(int)>& gone = {});
 
 class NcclLink : public Link {
  public:
