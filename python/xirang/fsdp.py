@@ -153,7 +153,10 @@ class XirangReduceScatter(_ReduceScatterBase):
             the replicate size R under HSDP (FSDP's all-reduce over the replicas then sums);
             ``None``: the size of the group passed to the call.
         residual: this rank's residual, 1-D ``[N * S]`` in ``residual_dtype`` (the layout of
-            FSDP's padded reduce-scatter input), or ``None`` (no error feedback, or world size 1).
+            FSDP's padded reduce-scatter input when every parameter of the group that requires
+            grad has a gradient), or ``None`` (no error feedback, or world size 1). A backward
+            where only some of them have one (FSDP then reduce-scatters those only) reads and
+            updates their parts of it, and the others' parts wait for their next gradient.
     """
 
     def __init__(self, name: str, param_group: Any, wire: str, error_feedback: bool,
@@ -167,6 +170,11 @@ class XirangReduceScatter(_ReduceScatterBase):
         self.user_factor = divide_factor  # the factor the user asked for (compress() sets it)
         self.mean_over = mean_over
         self.residual: Optional[torch.Tensor] = None
+        # Set by the param group's wrapped post_backward (_track_reduced_params) while FSDP reduces:
+        # the indices in fsdp_params of the parameters the reduce-scatter input holds; None: unknown.
+        self._holding: Optional[Tuple[int, ...]] = None
+        self._sub: Optional[Tuple[torch.Tensor, torch.Tensor, int, int]] = None  # this call's _sub_layout
+        self._sub_cache: Dict[Any, Tuple[torch.Tensor, torch.Tensor, int, int]] = {}
         # HSDP with compress(replicate_group=...): the all-reduce hook's state (see all_reduce_hook)
         self.replicate_group: Optional[dist.ProcessGroup] = None
         self.replicate_residual: Optional[torch.Tensor] = None
@@ -208,15 +216,26 @@ class XirangReduceScatter(_ReduceScatterBase):
         where = f"xirang.fsdp: rank {rank}, reduce_scatter of {self.name!r}"
         self._check(where, output_tensor, input_tensor, group, op, ws)
         n = input_tensor.numel()
-        if self.error_feedback and (self.residual is None or self.residual.numel() != n
-                                    or self.residual.device != input_tensor.device):
+        self._sub = sub = self._sub_layout(ws, n, input_tensor.device)
+        if self.error_feedback and (self.residual is None or self.residual.device != input_tensor.device
+                                    or self.residual.numel() != (n if sub is None else sub[2])):
             if self.residual is not None:
                 self._reset(f"the reduce-scatter input has {n} elements on {input_tensor.device}, the residual "
                             f"{self.residual.numel()} on {self.residual.device} (the parameter group or world "
                             "size changed)")
-            self.residual = torch.zeros(n, dtype=self.residual_dtype, device=input_tensor.device)
+            self.residual = torch.zeros(n if sub is None else sub[2], dtype=self.residual_dtype,
+                                        device=input_tensor.device)
 
-        wire = self._encode(input_tensor, ws)
+        if self.error_feedback and sub is not None:  # only some parameters: their parts of the residual
+            full = self.residual
+            self.residual = full[sub[0]]
+            try:
+                wire = self._encode(input_tensor, ws)
+            finally:
+                full[sub[0]] = self.residual
+                self.residual = full
+        else:
+            wire = self._encode(input_tensor, ws)
         recv = torch.empty_like(wire)
         self.calls += 1
         self.bytes_wire_last = (ws - 1) * (wire.numel() // ws) * wire.element_size()
@@ -237,6 +256,34 @@ class XirangReduceScatter(_ReduceScatterBase):
         return torch._C._distributed_c10d._create_work_from_future(work.get_future().then(finish))
 
     # -- the steps --------------------------------------------------------------------------
+
+    def _sub_layout(self, ws: int, n: int,
+                    device: torch.device) -> Optional[Tuple[torch.Tensor, torch.Tensor, int, int]]:
+        """Where a reduce-scatter input of ``n`` elements that holds only some of the group's
+        parameters (``_holding``, in ``fsdp_params`` order, each a padded shard per rank) lies in
+        the full layout (every parameter requiring grad): ``(idx_in, idx_out, N * S_full, S_full)``,
+        index tensors into the ``[N * S_full]`` residual and the ``[S_full]`` replicate residual. ``None``
+        when the input holds all of them, or which it holds is unknown or disagrees with ``n``
+        (then the input's own layout applies, as before)."""
+        held, pg = self._holding, self._param_group
+        if held is None or pg is None:
+            return None
+        full = [i for i, fp in enumerate(pg.fsdp_params) if fp.sharded_param.requires_grad]
+        if list(held) == full or not set(held) <= set(full):
+            return None
+        sizes = {i: pg.fsdp_params[i].padded_sharded_param_size.numel() for i in full}
+        if ws * sum(sizes[i] for i in held) != n:
+            return None
+        key = (tuple(held), ws, device)
+        if key not in self._sub_cache:
+            offset, off = {}, 0
+            for i in full:
+                offset[i] = off
+                off += sizes[i]
+            idx_out = torch.cat([torch.arange(offset[i], offset[i] + sizes[i]) for i in held])
+            idx_in = (torch.arange(ws).unsqueeze(1) * off + idx_out.unsqueeze(0)).reshape(-1)
+            self._sub_cache[key] = (idx_in.to(device), idx_out.to(device), ws * off, off)
+        return self._sub_cache[key]
 
     def _check(self, where: str, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: Any,
                ws: int) -> None:
@@ -373,6 +420,16 @@ class XirangReduceScatter(_ReduceScatterBase):
             zero, scratch = self._replicate_scratch
             backend_for(g).allreduce_ef(reduce_output, zero, scratch, -1, label=f"fsdp replicate {self.name}",
                                         wire=self.wire).wait()
+            return
+        sub = self._sub if self._holding is not None else None
+        if sub is not None and self.replicate_residual is not None and self.replicate_residual.numel() == sub[3]:
+            # only some parameters (see __call__): their parts of the residual, the rest kept
+            r_in = self.replicate_residual[sub[1]]
+            r_out = torch.zeros_like(r_in)
+            backend_for(g).allreduce_ef(reduce_output, r_in, r_out, -1, label=f"fsdp replicate {self.name}",
+                                        wire=self.wire).wait()
+            if bool(torch.isfinite(reduce_output).all()):
+                self.replicate_residual[sub[1]] = r_out
             return
         if self.replicate_residual is None or self.replicate_residual.numel() != n:
             if self.replicate_residual is not None:
@@ -559,6 +616,45 @@ def _fsdp_groups(module: nn.Module) -> List[Tuple[str, Any, Any]]:
     return out
 
 
+def _params_with_grad(pg: Any) -> Tuple[int, ...]:
+    """Indices in ``pg.fsdp_params`` of the parameters FSDP2's ``FSDPParamGroup.post_backward``
+    is about to reduce-scatter (torch 2.11-2.14: an accumulated gradient, a gradient, or, with
+    ``reduce_scatter_unused_params``, any parameter requiring grad)."""
+    unused = bool(getattr(pg, "reduce_scatter_unused_params", False))
+    held = []
+    for i, fp in enumerate(pg.fsdp_params):
+        if not hasattr(fp, "_unsharded_param"):
+            continue
+        if (fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+                or (unused and fp.unsharded_param.requires_grad)):
+            held.append(i)
+    return tuple(held)
+
+
+def _track_reduced_params(pg: Any) -> None:
+    """Wraps ``pg.post_backward`` (once, as an instance attribute: FSDP looks it up at each call)
+    so that while it runs the group's xirang comm knows which parameters its reduce-scatter input
+    holds (:func:`_params_with_grad`): a backward where some parameters have no gradient sends the
+    others only, and their residual parts must not be confused with the missing ones' (same
+    element count, other parameters)."""
+    if getattr(pg, "_xirang_post_backward", None) is not None:
+        return
+    orig = pg.post_backward
+
+    def post_backward(*args: Any, **kwargs: Any) -> Any:
+        comm = getattr(pg, "_reduce_scatter_comm", None)
+        if isinstance(comm, XirangReduceScatter):
+            comm._holding = _params_with_grad(pg)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            if isinstance(comm, XirangReduceScatter):
+                comm._holding = None
+
+    pg._xirang_post_backward = orig
+    pg.post_backward = post_backward
+
+
 def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
              residual_dtype: torch.dtype = torch.float32,
              replicate_group: Optional[dist.ProcessGroup] = None) -> FSDPCompressor:
@@ -691,6 +787,7 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
         else:
             comm.error_feedback = comm.error_feedback and ws > 1
         st_module.set_custom_reduce_scatter(comm)
+        _track_reduced_params(pg)
         if getattr(getattr(pg, "_all_reduce_hook", None), "__self__", None) is old:
             pg._all_reduce_hook = None  # an earlier compress(replicate_group=...)'s hook goes with its comm
         if replicate_group is not None:

@@ -149,6 +149,55 @@ def w_grads(wire, ef, steps=1, form="nested", factor=None, mp_bf16=False, seed=0
             "layouts": _layouts(net, comp)}
 
 
+class Partial(nn.Module):
+    """Parameters that only some steps use (FSDP2 then reduce-scatters those with a gradient): a and
+    b of one size (another parameter's residual of the same element count must not be applied),
+    c of another; loss = sum over the used ones of (p * g_p).sum(), so each gradient is g_p."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(5))
+        self.b = nn.Parameter(torch.zeros(5))
+        self.c = nn.Parameter(torch.zeros(3, 2))
+
+    def forward(self, used, g):
+        return sum((getattr(self, n) * g[n]).sum() for n in used)
+
+
+PARTIAL_USE = [("a",), ("b",), ("a", "c"), ("b", "c"), ("a", "b", "c"), ("c",)]
+
+
+def partial_grad(step, rank, name, shape):
+    """Rank ``rank``'s gradient of parameter ``name`` at ``step``: values over five decades, so
+    that every wire rounds and the residuals carry real mass."""
+    g = torch.Generator().manual_seed(104729 * step + 7919 * rank + sum(map(ord, name)))
+    return torch.randn(shape, generator=g) * 10.0 ** torch.randint(-3, 2, shape, generator=g)
+
+
+def w_partial(steps, wire):
+    """Partial under one FSDP group, ``wire`` + EF: per parameter the fp64 sum of the applied full
+    gradients, whether an unused one stayed without a gradient, the residuals and resets."""
+    import xirang
+    from torch.distributed.fsdp import fully_shard
+
+    net = Partial()
+    fully_shard(net, mesh=_mesh())
+    comp = xirang.fsdp.compress(net, wire=wire, error_feedback=True)
+    acc, none_ok = {}, True
+    for t in range(steps):
+        used = PARTIAL_USE[t % len(PARTIAL_USE)]
+        g = {n: partial_grad(t, _rank(), n, tuple(p.shape)) for n, p in net.named_parameters()}
+        net.zero_grad(set_to_none=True)
+        net(used, g).backward()
+        for n, p in net.named_parameters():
+            if n in used:
+                acc[n] = acc.get(n, 0) + p.grad.full_tensor().double()
+            else:
+                none_ok = none_ok and p.grad is None
+    return {"applied_sum": acc, "none_ok": none_ok, "residuals": {k: v.clone() for k, v in comp.residuals.items()},
+            "layouts": _layouts(net, comp), "stats": comp.stats()}
+
+
 def w_telescoping(steps, seed=0, wire="bf16"):
     """``wire`` + EF with fixed parameters and a fresh batch per step: per step's local grad shards
     summed in fp64, and the final residuals."""
@@ -609,6 +658,41 @@ def test_error_feedback_telescopes(pool, ws, wire):
         worst = max(worst, err)
         assert err <= 1e-5 * scale, f"{n}: |sum m - sum a - mean e| = {err:.3e} > 1e-5 x {scale:.3e}"
     # the check discriminates: the residual term itself is far above the tolerance
+    assert max(float(v.abs().max()) for v in resid.values()) > 10 * 1e-5 * scale, "residuals too small to tell"
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_backwards_that_use_some_parameters_keep_each_ones_residual(pool, ws, wire):
+    """FSDP2 reduce-scatters only the parameters with a gradient, so the input's layout changes
+    from backward to backward, here with two parameters of one size (a, b): each parameter's
+    residual goes with it, none is applied to another one's gradient, nothing is reset. Checked by
+    the telescoping identity per parameter (sum of its true mean gradients over the steps that used
+    it - sum of what was applied = the mean of its residual parts now, fp64, 1e-5 of the largest
+    gradient), which a residual applied to the wrong parameter breaks by far more."""
+    T = 24
+    res = pool.run(w_partial, T, wire, timeout=120)
+    shapes = {"a": (5,), "b": (5,), "c": (3, 2)}
+    ref_sum, scale = {}, 0.0
+    for t in range(T):
+        for n in PARTIAL_USE[t % len(PARTIAL_USE)]:
+            m = sum(partial_grad(t, r, n, shapes[n]).double() for r in range(ws)) / ws
+            ref_sum[n] = ref_sum.get(n, 0) + m
+            scale = max(scale, float(m.abs().max()))
+    resid = {}
+    for r in range(ws):
+        assert res[r]["none_ok"], f"rank {r}: an unused parameter got a gradient"
+        for name, vec in res[r]["residuals"].items():
+            parts, pads = _unpad(vec.double(), res[r]["layouts"][name], ws)
+            assert int(torch.count_nonzero(pads)) == 0
+            for n, p in parts.items():
+                resid[n] = resid.get(n, 0) + p / ws
+        assert [gr["residual_resets"] for gr in res[r]["stats"]["groups"]] == [0], res[r]["stats"]["groups"]
+    for n in ref_sum:
+        err = float((ref_sum[n] - res[0]["applied_sum"][n] - resid[n]).abs().max())
+        assert err <= 1e-5 * scale, f"{wire} ws={ws} {n}: |sum m - sum a - mean e| = {err:.3e} > 1e-5 x {scale:.3e}"
+        for r in range(1, ws):  # every rank applied the same
+            assert torch.equal(res[r]["applied_sum"][n], res[0]["applied_sum"][n])
     assert max(float(v.abs().max()) for v in resid.values()) > 10 * 1e-5 * scale, "residuals too small to tell"
 
 
