@@ -694,6 +694,45 @@ def test_cli_errors_are_one_line(tmp_path):
     assert p.stderr.strip().splitlines() == [f"xirang.report: cannot write {out}: No such file or directory"]
 
 
+@pytest.mark.parametrize("field, value, why", [
+    ("seq", "abc", "field 'seq' is \"abc\", expected an integer"),
+    ("global_rank", "zero", "field 'global_rank' is \"zero\", expected an integer"),
+    ("total_s", float("nan"), "field 'total_s' holds a non-finite number"),
+    ("total_s", float("inf"), "field 'total_s' holds a non-finite number"),
+    ("total_s", "fast", "field 'total_s' is \"fast\", expected a number"),
+    ("run_id", {"a": 1}, "field 'run_id' is {\"a\": 1}, expected text or an integer"),
+    ("bytes_wire", True, "field 'bytes_wire' is true, expected an integer"),
+    ("op", 5, "field 'op' is int, expected text"),
+])
+def test_records_with_fields_of_the_wrong_type_are_skipped(tmp_path, field, value, why):
+    """A record that is JSON with an "op" but a field the analysis cannot use (found by a new user:
+    each of these ended in a traceback) is skipped and counted like a garbage line; the others
+    still make the report."""
+    bad = dict(_rec(0, 2), **{field: value})
+    f = tmp_path / "rank0.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in (_rec(0, 1), bad, _rec(0, 3))) + "\n")
+    p = _report_cli(str(f), "-o", str(tmp_path / "r.html"))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert f"rank0.jsonl: 1 of 3 lines unreadable, skipped (line 2: {why})" in p.stderr, p.stderr
+    only = tmp_path / "only.jsonl"
+    only.write_text(json.dumps(bad) + "\n")
+    p = _report_cli(str(only), "-o", str(tmp_path / "o.html"))
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert f"no records in {only}: only.jsonl: 1 of 1 lines unreadable, skipped (line 2: {why})".replace(
+        "line 2", "line 1") in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("run", ["5", "-3", "1", "-2"])
+def test_run_index_out_of_range_is_a_clear_error(tmp_path, run):
+    f = tmp_path / "rank0.jsonl"
+    f.write_text("".join(json.dumps(_rec(0, s)) + "\n" for s in (1, 2)))
+    p = _report_cli(str(f), "-o", str(tmp_path / "r.html"), "--run", run)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == [f"xirang.report: no run {run!r}; runs: (no run id)"], p.stderr
+    p = _report_cli(str(f), "-o", str(tmp_path / "r.html"), "--run", "0")
+    assert p.returncode == 0, p.stderr
+
+
 def test_unreadable_lines_are_counted(tmp_path):
     """Garbage lines are counted per file ("3 of 10 lines unreadable") and the first ones named;
     a file of nothing but garbage says so in its one-line error."""

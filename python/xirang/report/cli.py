@@ -28,7 +28,7 @@ def build(path: str, run: Optional[str] = None) -> Tuple[List[dict], Dict[str, A
         name, chosen = runs[-1]
     else:
         hit = [(n, lst) for n, lst in runs if n == run or n.split(" #")[0] == run]
-        if not hit and run.lstrip("-").isdigit():
+        if not hit and run.lstrip("-").isdigit() and -len(runs) <= int(run) < len(runs):
             hit = [runs[int(run)]]
         if not hit:
             raise SystemExit(f"xirang.report: no run {run!r}; runs: {', '.join(names)}")

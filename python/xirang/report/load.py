@@ -4,11 +4,46 @@ from __future__ import annotations
 import errno
 import glob
 import json
+import math
 import os
 import re
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from .records import rank_of
+
+
+#: Fields the analysis reads as integers (a record's own; ``pg``, ``label``... are text).
+_INT_FIELDS = ("seq", "global_rank", "group_rank", "world_size", "group_id", "numel", "epoch")
+
+
+def _field_problem(r: dict) -> str:
+    """Why an operation record cannot be analysed (a field of the wrong type, a non-finite number
+    anywhere: the HTML embeds the records as JSON), or "" when it can."""
+    def finite(v: Any) -> bool:
+        if isinstance(v, float):
+            return math.isfinite(v)
+        if isinstance(v, dict):
+            return all(finite(x) for x in v.values())
+        if isinstance(v, list):
+            return all(finite(x) for x in v)
+        return True
+
+    if not isinstance(r["op"], str):
+        return f"field 'op' is {type(r['op']).__name__}, expected text"
+    for k, v in r.items():
+        if v is None:
+            continue
+        want = ("an integer" if k in _INT_FIELDS or k.startswith("bytes_") else
+                "a number" if k.endswith("_s") or k == "t_enqueue" else
+                "text or an integer" if k in ("run_id", "pg") else "")
+        ok = (not want or (want == "an integer" and isinstance(v, int) and not isinstance(v, bool))
+              or (want == "a number" and isinstance(v, (int, float)) and not isinstance(v, bool))
+              or (want == "text or an integer" and isinstance(v, (str, int)) and not isinstance(v, bool)))
+        if not ok:
+            return f"field {k!r} is {json.dumps(v)[:40]}, expected {want}"
+        if not finite(v):
+            return f"field {k!r} holds a non-finite number"
+    return ""
 
 
 def load_records(path: str) -> Tuple[List[dict], List[str]]:
@@ -16,7 +51,8 @@ def load_records(path: str) -> Tuple[List[dict], List[str]]:
     (files sorted by rank number). Returns (records, warnings).
 
     A line that is not a JSON object with an ``"op"`` field (not JSON, a truncated last line,
-    another program's log) is skipped and counted: one warning per file names how many of its
+    another program's log), or whose fields have the wrong types or hold NaN / infinity, is
+    skipped and counted: one warning per file names how many of its
     lines were unreadable and the first few of them. Blank lines are ignored.
     Bytes that are not UTF-8 are read as U+FFFD (such a line is then usually unreadable JSON).
     Raises FileNotFoundError when ``path`` does not exist, OSError when a file cannot be read.
@@ -51,6 +87,10 @@ def load_records(path: str) -> Tuple[List[dict], List[str]]:
                     continue
                 if not isinstance(r, dict) or "op" not in r:
                     bad.append(f"line {i}: not an operation record")
+                    continue
+                why = _field_problem(r)
+                if why:
+                    bad.append(f"line {i}: {why}")
                     continue
                 if "global_rank" not in r:
                     m = re.search(r"rank(\d+)\.jsonl$", f)
