@@ -81,7 +81,8 @@ def retry_on_membership_change(fn: Callable[[], Any], *tensors, max_tries: int =
     """Run ``fn()`` (collectives that work in place on ``tensors``); when it raises
     MembershipChanged, restore the tensors from copies taken before the first try and run it
     again on the rebuilt ring (the comm hook does the same for its own operation). Returns
-    fn's value. Raises the last MembershipChanged after ``max_tries`` tries.
+    fn's value. Raises the last MembershipChanged after ``max_tries`` tries, ValueError for a
+    ``max_tries`` below 1 (before calling ``fn``).
 
     Only for operations that still make sense on the shrunken ring (allreduce, broadcast from a
     live root, barrier); their results then cover the live ranks only (AVG divides by their
@@ -89,6 +90,8 @@ def retry_on_membership_change(fn: Callable[[], Any], *tensors, max_tries: int =
     """
     from ._backend import load_C
 
+    if isinstance(max_tries, bool) or not isinstance(max_tries, int) or max_tries < 1:
+        raise ValueError(f"xirang.retry_on_membership_change: max_tries must be an int >= 1, got {max_tries!r}")
     changed = load_C().MembershipChanged
     saved = [t.clone() for t in tensors]
     for attempt in range(max_tries):

@@ -139,8 +139,11 @@ def start_prometheus(port: Optional[int] = None, process_group=None, addr: str =
                      registry: Any = None, fetch: Optional[Callable[[], List[dict]]] = None) -> Aggregator:
     """Serve this rank's xirang metrics over HTTP for Prometheus.
 
-    port: default XIRANG_PROMETHEUS_PORT + LOCAL_RANK (one port per process on a host).
-    Records are read at each scrape. Returns the Aggregator behind the metrics.
+    port: default XIRANG_PROMETHEUS_PORT + LOCAL_RANK (one port per process on a host); 0: no
+    HTTP server (the metrics are only registered in ``registry``).
+    Records are read at each scrape. Returns the Aggregator behind the metrics. Raises
+    ValueError for a port outside 0..65535 or an XIRANG_PROMETHEUS_PORT that is not an integer
+    (naming it), before anything is registered.
     """
     try:
         import prometheus_client
@@ -152,7 +155,18 @@ def start_prometheus(port: Optional[int] = None, process_group=None, addr: str =
         base = load_C().env_get("XIRANG_PROMETHEUS_PORT")
         if not base:
             raise ValueError("xirang.exporters.start_prometheus: pass port= or set XIRANG_PROMETHEUS_PORT")
-        port = int(base) + int(os.environ.get("LOCAL_RANK", "0") or 0)
+        local = os.environ.get("LOCAL_RANK", "0") or "0"
+        try:
+            port = int(base) + int(local)
+        except ValueError:
+            raise ValueError(f"xirang.exporters.start_prometheus: XIRANG_PROMETHEUS_PORT ({base!r}) and LOCAL_RANK "
+                             f"({local!r}) must be integers") from None
+        where = f" (XIRANG_PROMETHEUS_PORT {base} + LOCAL_RANK {local})"
+    else:
+        where = ""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"xirang.exporters.start_prometheus: port must be an int in 0..65535 (0: no HTTP server), "
+                         f"got {port!r}{where}")
     agg = Aggregator(process_group, fetch)
     reg = registry if registry is not None else prometheus_client.REGISTRY
     reg.register(_Collector(agg))

@@ -554,15 +554,28 @@ class FSDPCompressor:
 
         Resets (to zero, with a WARNING on logger ``xirang`` naming the group and why) instead
         of loading when the checkpoint's world size differs, when a group's residual is missing,
-        or when its shape differs (the parameter group changed). Raises ``TypeError`` for a
-        value that is not such a dict.
+        or when its shape differs (the parameter group changed), and also when the checkpoint was
+        saved with another wire format (its residuals hold another rounding's errors). Raises
+        ``TypeError`` for a value that is not such a dict (a dict with ``"residuals"`` a dict of
+        tensors, integer sizes), before anything is loaded.
         """
+        def bad_type(what: str) -> TypeError:
+            return TypeError(f"xirang.fsdp: load_state_dict expects FSDPCompressor.state_dict()'s dict, {what}")
+
         if not isinstance(state_dict, dict) or "residuals" not in state_dict:
-            raise TypeError(f"xirang.fsdp: load_state_dict expects FSDPCompressor.state_dict()'s dict, "
-                            f"got {type(state_dict).__name__}")
-        saved_ws = int(state_dict.get("world_size", -1))
-        saved_rs = int(state_dict.get("replicate_size", 1))
+            raise bad_type(f"got {type(state_dict).__name__}" + (
+                " without 'residuals'" if isinstance(state_dict, dict) else ""))
         res = state_dict["residuals"]
+        if not isinstance(res, dict) or not all(isinstance(v, torch.Tensor) for v in res.values()):
+            raise bad_type(f"got residuals of type {type(res).__name__}" + (
+                "" if not isinstance(res, dict) else " holding " + ", ".join(
+                    sorted({type(v).__name__ for v in res.values() if not isinstance(v, torch.Tensor)}))))
+        sizes = {k: state_dict.get(k, d) for k, d in (("world_size", -1), ("replicate_size", 1))}
+        for k, v in sizes.items():
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad_type(f"got {k} {v!r}")
+        saved_ws, saved_rs = sizes["world_size"], sizes["replicate_size"]
+        saved_wire = state_dict.get("wire", self.wire)
         for name, c in self.comms.items():
             live = [(k, t) for k, t in ((name, c.residual), (name + ".replicate", c.replicate_residual))
                     if t is not None]
@@ -573,6 +586,9 @@ class FSDPCompressor:
                 continue
             if saved_rs != self.replicate_size:
                 c._reset(f"the checkpoint is from replicate size {saved_rs}, this run has {self.replicate_size}")
+                continue
+            if saved_wire != self.wire:
+                c._reset(f"the checkpoint was saved with wire={saved_wire!r}, this run has wire={self.wire!r}")
                 continue
             saved = [(res.get(self._key(k)), t) for k, t in live]
             bad = [f"the checkpoint has no residual {self._key(k)!r}" for (k, _), (s, _) in zip(live, saved) if s is None]
@@ -715,13 +731,19 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
     Raises:
         ValueError: bad ``wire`` / ``residual_dtype``, no FSDP module under ``module``, a
             module with several parameter groups, ``replicate_group`` with a 2-D mesh or a
-            shard dimension of size 1. TypeError: ``replicate_group`` not served by xirang
-            (``wire="bf16"``). NotImplementedError: a replicate-only mesh
+            shard dimension of size 1. TypeError: ``module`` not an ``nn.Module``,
+            ``replicate_group`` not a ProcessGroup, or not served by xirang (``wire="bf16"``). NotImplementedError: a replicate-only mesh
             (``replicate()``: no reduce-scatter). ImportError: a torch without FSDP2 custom comms (< 2.9).
     """
     if FSDPModule is None:
         raise ImportError("xirang.fsdp needs torch >= 2.9 (FSDP2's set_custom_reduce_scatter)")
-    if wire not in _WIRES:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"xirang.fsdp.compress: module must be an nn.Module (the fully_shard model), "
+                        f"got {type(module).__name__}")
+    if replicate_group is not None and not isinstance(replicate_group, dist.ProcessGroup):
+        raise TypeError(f"xirang.fsdp.compress: replicate_group must be a torch.distributed ProcessGroup or None, "
+                        f"got {type(replicate_group).__name__}")
+    if not isinstance(wire, str) or wire not in _WIRES:
         raise ValueError(f"xirang.fsdp.compress: wire must be one of {_WIRES}, got {wire!r}")
     if residual_dtype not in _RESIDUAL_DTYPES:
         raise ValueError(f"xirang.fsdp.compress: residual_dtype must be torch.float32 or torch.bfloat16, "

@@ -281,11 +281,29 @@ def w_state_dict():
         comp.load_state_dict(bad_shape)
         lines_shape = list(cap.lines)
         zero_groups = [k for k, v in comp.residuals.items() if int(torch.count_nonzero(v)) == 0]
+        # another wire format's residuals: reset with a warning naming both
+        comp.load_state_dict(sd)
+        cap.lines.clear()
+        comp.load_state_dict(dict(sd, wire="int8"))
+        lines_wire = list(cap.lines)
+        zero_after_wire = all(int(torch.count_nonzero(v)) == 0 for v in comp.residuals.values())
+        # wrong types: TypeError naming what, nothing loaded
+        comp.load_state_dict(sd)
+        before = {k: v.clone() for k, v in comp.residuals.items()}
+        type_errors = []
+        for bad in ({"residuals": 5}, dict(sd, world_size="x"), dict(sd, residuals={k0: "abc"}), [1]):
+            try:
+                comp.load_state_dict(bad)
+                type_errors.append(None)
+            except TypeError as e:
+                type_errors.append(str(e))
+        kept = all(torch.equal(comp.residuals[k], v) for k, v in before.items())
     finally:
         lg.removeHandler(cap)
     return {"changed": changed, "restored": restored, "keys": sorted(sd["residuals"]), "ws": sd["world_size"],
             "zero_after_ws": zero_after_ws, "lines_ws": lines_ws, "lines_shape": lines_shape,
-            "zero_groups": zero_groups, "n_groups": len(comp.residuals)}
+            "zero_groups": zero_groups, "n_groups": len(comp.residuals), "lines_wire": lines_wire,
+            "zero_after_wire": zero_after_wire, "type_errors": type_errors, "kept": kept}
 
 
 def w_recompress():
@@ -738,6 +756,14 @@ def test_state_dict_round_trip_and_reset(pool, ws):
         assert any("reset" in ln and f"world size {ws + 1}" in ln for ln in out["lines_ws"]), out["lines_ws"]
         assert len(out["lines_shape"]) == 1 and "shape (3,)" in out["lines_shape"][0], out["lines_shape"]
         assert len(out["zero_groups"]) == 1 and out["n_groups"] == 3
+        assert out["zero_after_wire"] and len(out["lines_wire"]) == 3, out["lines_wire"]
+        assert all("saved with wire='int8', this run has wire='bf16'" in ln for ln in out["lines_wire"])
+        e = out["type_errors"]
+        assert e[0] and "residuals of type int" in e[0], e
+        assert e[1] and "world_size 'x'" in e[1], e
+        assert e[2] and "residuals of type dict holding str" in e[2], e
+        assert e[3] and "got list" in e[3], e
+        assert out["kept"]
 
 
 @pytest.mark.parametrize("ws", [2])
@@ -1080,6 +1106,13 @@ def test_compress_rejects_bad_arguments():
         xirang.fsdp.compress(nn.Linear(2, 2), residual_dtype=torch.float16)
     with pytest.raises(ValueError, match="no FSDP module"):
         xirang.fsdp.compress(nn.Linear(2, 2))
+    # wrong types (a new user's finds: AttributeErrors from deep inside)
+    with pytest.raises(TypeError, match="module must be an nn.Module .*, got str"):
+        xirang.fsdp.compress("model")
+    with pytest.raises(TypeError, match="replicate_group must be a torch.distributed ProcessGroup or None, got int"):
+        xirang.fsdp.compress(nn.Linear(2, 2), replicate_group=5)
+    with pytest.raises(ValueError, match="wire must be one of"):
+        xirang.fsdp.compress(nn.Linear(2, 2), wire=["bf16"])
 
 
 @pytest.mark.dedicated

@@ -858,6 +858,8 @@ def test_wire_bytes_match_the_records(kind, wire, code_bytes):
 def test_wire_argument_checked():
     with pytest.raises(ValueError, match="wire must be one of 'bf16', 'fp16', 'int8', got 'fp8'"):
         _state(hw.TinyLM(), wire="fp8")
+    with pytest.raises(ValueError, match=r"wire must be one of 'bf16', 'fp16', 'int8', got \['bf16'\]"):
+        _state(hw.TinyLM(), wire=["bf16"])  # was "unhashable type: 'list'"
     st = _state(hw.TinyLM(), wire="int8")
     assert st.wire == "int8" and pickle.loads(pickle.dumps(st)).wire == "int8"
     assert st.state_dict()["wire"] == "int8"

@@ -2,6 +2,7 @@
 the one boolean rule, XIRANG_DEBUG."""
 import datetime
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -156,3 +157,15 @@ def test_options_int_timeout_bounds_group_creation():
     assert "ranks [1] of 2" in out.stdout
     secs = float(out.stdout.split("ERROR", 1)[1].split()[0])
     assert 0.9 <= secs < 30, out.stdout
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "3"])
+def test_retry_on_membership_change_rejects_max_tries_below_one(bad):
+    """max_tries=0 returned None without calling fn (a new user's find): a ValueError now, before
+    fn runs."""
+    import xirang
+
+    calls = []
+    with pytest.raises(ValueError, match=r"max_tries must be an int >= 1, got " + re.escape(repr(bad))):
+        xirang.retry_on_membership_change(lambda: calls.append(1), max_tries=bad)
+    assert calls == []

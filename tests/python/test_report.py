@@ -647,6 +647,29 @@ def test_prometheus_exporter():
     assert 'phase="total"' in text
 
 
+@pytest.mark.parametrize("port, env, match", [
+    (-5, None, r"port must be an int in 0\.\.65535 \(0: no HTTP server\), got -5"),
+    (70000, None, "got 70000"),
+    (True, None, "got True"),
+    ("9100", None, "got '9100'"),
+    (None, "abc", r"XIRANG_PROMETHEUS_PORT \('abc'\) and LOCAL_RANK \('0'\) must be integers"),
+    (None, "65535", r"got 65536 \(XIRANG_PROMETHEUS_PORT 65535 \+ LOCAL_RANK 1\)"),
+])
+def test_prometheus_bad_ports_are_clear_errors(monkeypatch, port, env, match):
+    """Found by a new user: 'abc' gave a bare int() error, 70000 an OverflowError from bind, -5 was
+    silently taken as no server. Nothing is registered before the check."""
+    prom = pytest.importorskip("prometheus_client", reason="prometheus_client not installed (optional)")
+    from xirang import exporters
+
+    if env is not None:
+        monkeypatch.setenv("XIRANG_PROMETHEUS_PORT", env)
+        monkeypatch.setenv("LOCAL_RANK", "1" if env == "65535" else "0")
+    reg = prom.CollectorRegistry()
+    with pytest.raises(ValueError, match=match):
+        exporters.start_prometheus(port=port, registry=reg, fetch=lambda: [])
+    assert list(reg._collector_to_names) == []
+
+
 def test_exporters_missing_packages_say_what_to_install(monkeypatch):
     import builtins
 

@@ -242,7 +242,7 @@ class BF16ErrorFeedbackState(Checkpointing):
             if layers_per_group < 1:
                 raise ValueError(f"layers_per_group must be a positive int or None (or 'auto'), got "
                                  f"{layers_per_group!r}")
-        if wire not in WIRE_BYTES:
+        if not isinstance(wire, str) or wire not in WIRE_BYTES:
             raise ValueError(f"wire must be one of {', '.join(map(repr, WIRE_BYTES))}, got {wire!r}")
         if not isinstance(min_compress_numel, int) or min_compress_numel < 1:
             raise ValueError(f"min_compress_numel must be an int >= 1, got {min_compress_numel!r}")
