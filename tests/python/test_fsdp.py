@@ -198,6 +198,41 @@ def w_partial(steps, wire):
             "layouts": _layouts(net, comp), "stats": comp.stats()}
 
 
+def w_partial_hsdp(steps, wire):
+    """Partial on a (2 replicate, 2 shard) mesh through compress(replicate_group=...), ``wire`` +
+    EF at both levels: per parameter the fp64 sum of the applied gradients, the shard residuals
+    and the replicate residuals (this rank's), the mesh coordinate."""
+    import xirang
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    saved = os.environ.get("XIRANG_TRANSPORT_LOCAL")
+    os.environ["XIRANG_TRANSPORT_LOCAL"] = "tcp"  # the compressed wire, not shared memory's exact mean
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    finally:
+        if saved is None:
+            del os.environ["XIRANG_TRANSPORT_LOCAL"]
+        else:
+            os.environ["XIRANG_TRANSPORT_LOCAL"] = saved
+    net = Partial()
+    fully_shard(net, mesh=mesh["shard"])
+    comp = xirang.fsdp.compress(net, wire=wire, error_feedback=True, replicate_group=mesh["replicate"].get_group())
+    acc = {}
+    for t in range(steps):
+        used = PARTIAL_USE[t % len(PARTIAL_USE)]
+        g = {n: partial_grad(t, _rank(), n, tuple(p.shape)) for n, p in net.named_parameters()}
+        net.zero_grad(set_to_none=True)
+        net(used, g).backward()
+        for n, p in net.named_parameters():
+            if n in used:
+                acc[n] = acc.get(n, 0) + p.grad.full_tensor().double()
+    (name, c), = comp.comms.items()
+    return {"applied_sum": acc, "shard": c.residual.clone(), "replicate": c.replicate_residual.clone(),
+            "coord": tuple(mesh.get_coordinate()), "layouts": _layouts(net, comp), "name": name,
+            "stats": comp.stats()}
+
+
 def w_telescoping(steps, seed=0, wire="bf16"):
     """``wire`` + EF with fixed parameters and a fresh batch per step: per step's local grad shards
     summed in fp64, and the final residuals."""
@@ -710,6 +745,44 @@ def test_backwards_that_use_some_parameters_keep_each_ones_residual(pool, ws, wi
         err = float((ref_sum[n] - res[0]["applied_sum"][n] - resid[n]).abs().max())
         assert err <= 1e-5 * scale, f"{wire} ws={ws} {n}: |sum m - sum a - mean e| = {err:.3e} > 1e-5 x {scale:.3e}"
         for r in range(1, ws):  # every rank applied the same
+            assert torch.equal(res[r]["applied_sum"][n], res[0]["applied_sum"][n])
+    assert max(float(v.abs().max()) for v in resid.values()) > 10 * 1e-5 * scale, "residuals too small to tell"
+
+
+@pytest.mark.parametrize("ws", [4])
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_hsdp_backwards_that_use_some_parameters_keep_each_ones_residuals(pool, ws, wire):
+    """The same on a 2 x 2 HSDP mesh with the replicate all-reduce through xirang: both levels'
+    residuals go with their parameters. Two-level telescoping per parameter (R replicas of N
+    shards): sum_t m_t - sum_t a_t = (1 / RN) sum_r e_r + sum_replicas f, e_r rank r's shard
+    residual (all owners' chunks), f a replica's replicate residuals (its owners' chunks side by
+    side, in the mean's units), fp64, 1e-5 of the largest gradient."""
+    T, R, N = 18, 2, 2
+    res = pool.run(w_partial_hsdp, T, wire, timeout=120)
+    shapes = {"a": (5,), "b": (5,), "c": (3, 2)}
+    ref_sum, scale = {}, 0.0
+    for t in range(T):
+        for n in PARTIAL_USE[t % len(PARTIAL_USE)]:
+            m = sum(partial_grad(t, r, n, shapes[n]).double() for r in range(ws)) / ws
+            ref_sum[n] = ref_sum.get(n, 0) + m
+            scale = max(scale, float(m.abs().max()))
+    lay = res[0]["layouts"][res[0]["name"]]
+    resid = {n: 0 for n in shapes}
+    for r in range(ws):
+        parts, pads = _unpad(res[r]["shard"].double(), lay, N)
+        assert int(torch.count_nonzero(pads)) == 0
+        for n, v in parts.items():
+            resid[n] = resid[n] + v / (R * N)
+        assert [gr["residual_resets"] for gr in res[r]["stats"]["groups"]] == [0]
+    for rep in range(R):
+        owners = sorted((res[r]["coord"][1], r) for r in range(ws) if res[r]["coord"][0] == rep)
+        parts, _ = _unpad(torch.cat([res[r]["replicate"].double() for _, r in owners]), lay, N)
+        for n, v in parts.items():  # xirang's error-feedback allreduce keeps its residuals in the
+            resid[n] = resid[n] + v  # mean's units (it scales its input by 1 / R first)
+    for n in ref_sum:
+        err = float((ref_sum[n] - res[0]["applied_sum"][n] - resid[n]).abs().max())
+        assert err <= 1e-5 * scale, f"{wire} {n}: |sum m - sum a - residuals| = {err:.3e} > 1e-5 x {scale:.3e}"
+        for r in range(1, ws):
             assert torch.equal(res[r]["applied_sum"][n], res[0]["applied_sum"][n])
     assert max(float(v.abs().max()) for v in resid.values()) > 10 * 1e-5 * scale, "residuals too small to tell"
 
