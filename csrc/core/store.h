@@ -21,6 +21,9 @@ class Store {
   virtual std::string get(const std::string& key, Deadline deadline) = 0;
   // Whether `key` exists now (no waiting). Throws if the store cannot be reached.
   virtual bool check(const std::string& key) { (void)key; return false; }
+  // Whether a call has failed because the store could not be reached (its host is gone). Notes
+  // written on the way out (Tcp::leave) are then skipped: they would only fail again.
+  virtual bool unreachable() const { return false; }
   // Atomically adds `delta` to the integer at `key` (missing: 0) and returns the new value.
   // Elastic mode only (heartbeats); the default throws.
   virtual int64_t add(const std::string& key, int64_t delta) {

@@ -165,7 +165,7 @@ void Tcp::leave(const std::function<bool(int)>& known_gone) {
     if (left_) return;
     left_ = true;
   }
-  if (!store_ || size_ <= 1 || everyPeerGone(known_gone)) return;
+  if (!store_ || size_ <= 1 || store_->unreachable() || everyPeerGone(known_gone)) return;
   try {
     store_->set(opts_.key_prefix + "/exit/" + std::to_string(rank_), "left");
   } catch (...) {  // best effort: the store may be gone with the rank that hosted it
@@ -257,7 +257,7 @@ void Tcp::checkPeer(int peer) {
 }
 
 void Tcp::abort(const std::string& why) {
-  if (store_ && size_ > 1) {
+  if (store_ && size_ > 1 && !store_->unreachable()) {
     try {  // best effort: the store may be gone with the rank that hosted it
       store_->set(opts_.key_prefix + "/abort", why.substr(0, kMaxAbortMessage));
     } catch (...) {
