@@ -10,6 +10,9 @@
 #include "cuda/cuda_api.h"
 #include "cuda/nccl_api.h"
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <map>
 #include <optional>
 #include <string>
@@ -342,6 +345,17 @@ void LinkDevice::interrupt(const std::string& w) {
   if (l) l->interrupt(w);
 }
 
+// The group's abort note (Tcp::abort writes it when a rank fails), "" while there is none or the
+// store cannot be read (the waits' deadlines still bound them then).
+static std::string abortNote(const EngineSetup& setup) {
+  const std::string key = setup.key_ns + "/abort";
+  try {
+    if (setup.store->check(key)) return setup.store->get(key, Clock::now() + std::chrono::seconds(1));
+  } catch (const std::exception&) {
+  }
+  return {};
+}
+
 // The NCCL engine's: the group's own communicator (see cuda_stage.h).
 struct NcclDevice : LinkDevice {
   NcclDevice(const EngineSetup& s, std::string transport) : LinkDevice(s, std::move(transport), "nccl") {}
@@ -359,8 +373,29 @@ struct NcclDevice : LinkDevice {
     device::NcclApi& nccl = cuda::ncclApi();  // loadable: the Engine checked it at group creation
     const std::string key = setup.key_ns + "/nccl/" + setup.group_name + "/epoch0";
     const int rank = host.rank, size = host.size();
-    device::NcclUniqueId id = transport::shareNcclUniqueId(nccl, *setup.store, key, rank, deadline);
-    device::NcclComm c = transport::initNcclComm(nccl, id, rank, size, deadline, setup.group_name);
+    // Both waits end early when this group is interrupted (poisoned, aborted, shut down at exit),
+    // its abort note is in the store, or a ring neighbour is gone (which fails its other neighbour,
+    // whose abort note then reaches every rank): a peer that failed before or during the
+    // communicator's creation does not hold the others until the op's deadline.
+    Clock::time_point next_store_check{};
+    transport::StopCheck stop = [&, rank, size]() -> std::string {
+      {
+        std::lock_guard<std::mutex> g(mu);
+        if (!why.empty()) return why;
+      }
+      if (Clock::now() < next_store_check) return {};
+      next_store_check = Clock::now() + std::chrono::milliseconds(200);
+      const std::string note = abortNote(setup);
+      if (!note.empty()) return "the group was aborted: " + note;
+      if (setup.peer_gone && size > 1)
+        for (int p : {(rank + 1) % size, (rank + size - 1) % size}) {
+          std::string w = setup.peer_gone(p);
+          if (!w.empty()) return w;
+        }
+      return {};
+    };
+    device::NcclUniqueId id = transport::shareNcclUniqueId(nccl, *setup.store, key, rank, deadline, stop);
+    device::NcclComm c = transport::initNcclComm(nccl, id, rank, size, deadline, setup.group_name, stop);
     auto s = reinterpret_cast<device::Stream>(raw);
     std::unique_ptr<transport::NcclLink> l;
     try {
@@ -371,15 +406,7 @@ struct NcclDevice : LinkDevice {
     }
     // A peer that failed elsewhere writes the group's abort note (Tcp::abort); a rank blocked in
     // NCCL reads it here (every 200 ms of a wait), as NCCL tells only the ranks a failed call joins.
-    l->setStopCheck(
-        [store = setup.store, key = setup.key_ns + "/abort"]() -> std::string {
-          try {
-            if (store->check(key)) return store->get(key, Clock::now() + std::chrono::seconds(1));
-          } catch (const std::exception&) {  // an unreachable store: the deadline still bounds the wait
-          }
-          return {};
-        },
-        std::chrono::milliseconds(200));
+    l->setStopCheck([s = setup] { return abortNote(s); }, std::chrono::milliseconds(200));
     install(std::move(l));
     env::log(env::Level::Info, rank, "group '" + setup.group_name + "': NCCL communicator of " + std::to_string(size) +
                                          " ranks on " + device.str() + " (NCCL " + cuda::ncclVersionString() + ", " +
@@ -472,17 +499,23 @@ const char* transportName(Transport t) {
   return "XIRANG_CUDA_TRANSPORT";
 }
 
-// The text that names device `d` across processes and hosts: its UUID ("GPU-" and 32 hex digits).
-std::string gpuUuid(c10::Device d) {
+// Device `d` as auto's records name it: its UUID ("GPU-" and 32 hex digits), and "<hostname>/<PCI
+// domain:bus:device>", which is how NCCL tells GPUs apart (MIG instances of one GPU share it).
+void identifyGpu(c10::Device d, std::string* uuid, std::string* where) {
   cudaDeviceProp prop{};
   C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, d.index()));
   static const char* hex = "0123456789abcdef";
-  std::string s = "GPU-";
+  *uuid = "GPU-";
   for (unsigned char b : prop.uuid.bytes) {
-    s += hex[b >> 4];
-    s += hex[b & 15];
+    *uuid += hex[b >> 4];
+    *uuid += hex[b & 15];
   }
-  return s;
+  char host[256] = {};
+  (void)gethostname(host, sizeof(host) - 1);
+  char bus[32];
+  std::snprintf(bus, sizeof(bus), "%04x:%02x:%02x", static_cast<unsigned>(prop.pciDomainID),
+                static_cast<unsigned>(prop.pciBusID), static_cast<unsigned>(prop.pciDeviceID));
+  *where = std::string(host) + "/" + bus;
 }
 }  // namespace
 
@@ -495,7 +528,19 @@ Engine::Engine(const EngineSetup& setup)
   if ((transport_ == Transport::Host || transport_ == Transport::Auto) && !setup_.elastic)
     staged_ = std::make_shared<StagedDevice>(setup, transportName(transport_));
   if (transport_ == Transport::Auto && setup_.elastic) use_nccl_ = false;
-  if (transport_ == Transport::Host || transport_ == Transport::Mirror) use_nccl_ = false;
+  if (transport_ == Transport::Host || transport_ == Transport::Mirror) {
+    use_nccl_ = false;
+    // Auto peers (the settings agree at creation) wait for this rank's word at their first CUDA
+    // collective: say now that it is not auto, so that they choose host at once.
+    if (!setup_.elastic && setup_.size > 1) {
+      try {
+        transport::declareNotAuto(*setup_.store, autoKey(), setup_.rank);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, rankPrefix(setup_.rank), "group '", setup_.group_name, "': ", transportName(transport_),
+                    ": writing this rank's setting to the store failed: ", e.what());
+      }
+    }
+  }
   if (transport_ != Transport::Nccl) return;
   use_nccl_ = true;
   TORCH_CHECK(!setup_.elastic, rankPrefix(setup_.rank), "group '", setup_.group_name,
@@ -521,12 +566,15 @@ bool Engine::stagedFits(const std::vector<at::Tensor>& tensors) const {
   return dev && staged_->accepts(*dev);
 }
 
+std::string Engine::autoKey() const { return setup_.key_ns + "/cudadev/" + setup_.group_name; }
+
 bool Engine::useNccl(bool device_link, const std::vector<at::Tensor>& tensors) {
+  // Point-to-point does not decide and never waits for the decision: it takes the mirrors
+  // whatever the choice.
+  if (!device_link) return false;
   std::lock_guard<std::mutex> g(decide_mu_);
   if (use_nccl_) return *use_nccl_;
-  // XIRANG_CUDA_TRANSPORT=auto, this group's first CUDA collective (point-to-point does not decide:
-  // it takes the mirrors whatever the choice).
-  if (!device_link) return false;
+  // XIRANG_CUDA_TRANSPORT=auto, this group's first CUDA collective.
   c10::Device dev(c10::kCPU);
   for (const auto& t : tensors)
     if (t.defined() && t.is_cuda()) {
@@ -534,12 +582,13 @@ bool Engine::useNccl(bool device_link, const std::vector<at::Tensor>& tensors) {
       break;
     }
   transport::NcclCandidate mine;
-  mine.gpu = gpuUuid(dev);
+  identifyGpu(dev, &mine.gpu, &mine.where);
   if (!cuda::tryNcclApi(&mine.unavailable) && mine.unavailable.empty()) mine.unavailable = "NCCL did not load";
+  mine.version = cuda::ncclVersionString();
   transport::NcclChoice c;
   try {
-    c = transport::agreeOnNccl(*setup_.store, setup_.key_ns + "/cudadev/" + setup_.group_name, setup_.rank,
-                               setup_.size, mine, Clock::now() + setup_.timeout, setup_.peer_gone);
+    c = transport::agreeOnNccl(*setup_.store, autoKey(), setup_.rank, setup_.size, mine,
+                               Clock::now() + setup_.timeout, setup_.peer_gone);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, rankPrefix(setup_.rank), "group '", setup_.group_name, "': XIRANG_CUDA_TRANSPORT=auto: ",
                 e.what());
@@ -551,7 +600,7 @@ bool Engine::useNccl(bool device_link, const std::vector<at::Tensor>& tensors) {
 
 std::shared_ptr<OpStage> Engine::stage(bool device_link, const std::vector<at::Tensor>& tensors) {
   const bool nccl = useNccl(device_link, tensors);
-  {
+  if (device_link) {
     std::lock_guard<std::mutex> g(decide_mu_);
     if (!said_ && use_nccl_) {
       said_ = true;

@@ -192,6 +192,8 @@ class Engine : public DeviceEngine {
   // rank's GPU is its own; this blocks the caller until every rank has reached it, at most the
   // group's timeout: c10::Error naming the rank that did not come).
   bool useNccl(bool device_link, const std::vector<at::Tensor>& tensors);
+  // The store key under which the ranks' auto records lie (transport::agreeOnNccl).
+  std::string autoKey() const;
   EngineSetup setup_;
   Transport transport_;
   Streams streams_;

@@ -938,7 +938,7 @@ TEST_CASE("auto transport: NCCL only when every rank is auto, loaded NCCL and ha
   using C = tp::NcclCandidate;
   auto gpus = [](std::vector<std::string> ids) {
     std::vector<C> v;
-    for (auto& id : ids) v.push_back(C{true, "", id});
+    for (auto& id : ids) v.push_back(C{true, "", id, "", ""});
     return v;
   };
   for (int n = 1; n <= 8; ++n) {
@@ -965,6 +965,21 @@ TEST_CASE("auto transport: NCCL only when every rank is auto, loaded NCCL and ha
   auto missing = tp::chooseNccl(v);
   CHECK_FALSE(missing.nccl);
   CHECK(missing.why == "rank 1 cannot use NCCL: dlopen(libnccl.so.2) failed");
+  // NCCL versions that differ (NCCL refuses them at init)
+  v = gpus({"GPU-a", "GPU-b", "GPU-c"});
+  for (auto& c : v) c.version = "2.27.3";
+  v[2].version = "2.21.5";
+  auto versions = tp::chooseNccl(v);
+  CHECK_FALSE(versions.nccl);
+  CHECK(versions.why == "rank 0 loaded NCCL 2.27.3, rank 2 NCCL 2.21.5 (NCCL refuses ranks of different versions)");
+  // two MIG instances of one GPU: UUIDs of their own, one host and PCI bus id (NCCL's duplicate test)
+  v = gpus({"MIG-a", "MIG-b"});
+  v[0].where = v[1].where = "node7/0000:17:00.0";
+  auto mig = tp::chooseNccl(v);
+  CHECK_FALSE(mig.nccl);
+  CHECK(mig.why == "rank 0 and rank 1 share GPU node7/0000:17:00.0 (NCCL refuses two ranks on one GPU)");
+  v[1].where = "node8/0000:17:00.0";  // the same bus id on another host is another GPU
+  CHECK(tp::chooseNccl(v).nccl);
   // a rank that named no GPU
   v = gpus({"", "GPU-b"});
   CHECK(tp::chooseNccl(v).why == "rank 0 named no GPU");
@@ -978,7 +993,7 @@ TEST_CASE("auto transport: the store round gives every auto rank the same choice
       MemStore store;
       std::vector<tp::NcclChoice> got(static_cast<size_t>(n));
       std::vector<tp::NcclCandidate> in;
-      for (int r = 0; r < n; ++r) in.push_back(tp::NcclCandidate{true, "", "GPU|" + std::to_string(r)});
+      for (int r = 0; r < n; ++r) in.push_back(tp::NcclCandidate{true, "", "GPU|" + std::to_string(r), "", ""});
       if (variant == 1 && n > 1) in[static_cast<size_t>(n - 1)].gpu = in[static_cast<size_t>(n - 2)].gpu;
       if (variant == 2) in[0].automatic = false;
       if (variant == 3) in[static_cast<size_t>(n - 1)].unavailable = "too old: 2.17 | needs 2.19";
@@ -1006,7 +1021,7 @@ TEST_CASE("auto transport: the store round gives every auto rank the same choice
 TEST_CASE("auto transport: a rank that never says ends in a TimeoutError naming it; a garbled record means host",
           "[device]") {
   MemStore store;
-  const tp::NcclCandidate mine{true, "", "GPU-0"};
+  const tp::NcclCandidate mine{true, "", "GPU-0", "", ""};
   std::string what;
   const auto t0 = xirang_test::Clock::now();
   try {
@@ -1021,7 +1036,7 @@ TEST_CASE("auto transport: a rank that never says ends in a TimeoutError naming 
   // a peer found gone (the group's TCP transport: closed connection, exit note) ends the wait at once
   {
     MemStore s1;
-    s1.set("k/1", "xirang-nccl-candidate 1|1|GPU-1|");  // rank 1 said; rank 2 died before saying
+    s1.set("k/1", "xirang-nccl-candidate 2|1|GPU-1|||");  // rank 1 said; rank 2 died before saying
     std::string gone_what;
     int gone_peer = -1;
     std::vector<int> asked;
@@ -1043,8 +1058,9 @@ TEST_CASE("auto transport: a rank that never says ends in a TimeoutError naming 
     CHECK(std::find(asked.begin(), asked.end(), 1) == asked.end());  // rank 1's record was there: not asked
   }
 
-  for (const std::string& bad : {std::string(""), std::string("xirang-nccl-candidate 1|"),
-                                std::string("xirang-nccl-candidate 1|2|GPU-1|"), std::string("xirang-nccl-candidate 1|1|GPU-1"),
+  for (const std::string& bad : {std::string(""), std::string("xirang-nccl-candidate 2|"),
+                                std::string("xirang-nccl-candidate 2|2|GPU-1|||"), std::string("xirang-nccl-candidate 2|1|GPU-1||"),
+                                std::string("xirang-nccl-candidate 1|1|GPU-1|"),  // the record's first version
                                 std::string("something else entirely"), std::string(5000, 'x')}) {
     MemStore s2;
     s2.set("k/1", bad);
@@ -1056,6 +1072,80 @@ TEST_CASE("auto transport: a rank that never says ends in a TimeoutError naming 
   }
   // the same record, well formed, is NCCL
   MemStore s3;
-  s3.set("k/1", "xirang-nccl-candidate 1|1|GPU-1|");
+  s3.set("k/1", "xirang-nccl-candidate 2|1|GPU-1|||");
   CHECK(tp::agreeOnNccl(s3, "k", 0, 2, mine, after(milliseconds(1000))).nccl);
+  // a rank with host or mirror says so at creation (declareNotAuto): an auto rank chooses host at once
+  MemStore s4;
+  CHECK_FALSE(tp::declareNotAuto(s4, "k", 1).nccl);
+  const auto t2 = xirang_test::Clock::now();
+  const auto c4 = tp::agreeOnNccl(s4, "k", 0, 2, mine, after(milliseconds(20000)));
+  CHECK(xirang_test::Clock::now() - t2 < milliseconds(5000));
+  CHECK_FALSE(c4.nccl);
+  CHECK(c4.why == "rank 1 has XIRANG_CUDA_TRANSPORT=host or mirror");
+}
+
+TEST_CASE("device: a stop check ends the waits for the unique id and for the other ranks' init at once",
+          "[device]") {
+  dv::FakeDevice dev;
+  // the others' init: rank 2 never joins; the stop check (the engine's: interrupted, the group's
+  // abort note, a gone ring neighbour) says so after 200 ms, long before the 20 s deadline
+  dv::NcclUniqueId id;
+  dev.nccl().getUniqueId(&id);
+  std::vector<std::string> what(2);
+  const auto t0 = xirang_test::Clock::now();
+  runRanks(2, [&](int r) {
+    const auto start = xirang_test::Clock::now();
+    try {
+      tp::initNcclComm(dev.nccl(), id, r, 3, after(milliseconds(20000)), "stopped", [&] {
+        return xirang_test::Clock::now() - start > milliseconds(200) ? std::string("rank 2 closed its connection")
+                                                                      : std::string();
+      });
+      what[r] = "(no error)";
+    } catch (const tp::TimeoutError& e) {
+      what[r] = std::string("timeout: ") + e.what();
+    } catch (const tp::TransportError& e) {
+      what[r] = e.what();
+    }
+  });
+  CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));
+  for (auto& w : what)
+    CHECK(w == "rank 2 closed its connection (initialising NCCL communicator 'stopped' (rank " +
+                   std::string(&w == &what[0] ? "0" : "1") + " of 3))");
+  // the unique id: rank 0 never comes, the stop check ends rank 1's wait
+  {
+    MemStore store;
+    std::string w;
+    const auto t1 = xirang_test::Clock::now();
+    try {
+      tp::shareNcclUniqueId(dev.nccl(), store, "uid", 1, after(milliseconds(20000)),
+                            [] { return std::string("the group was aborted: rank 0 failed"); });
+    } catch (const tp::TimeoutError&) {
+      w = "timeout";
+    } catch (const tp::TransportError& e) {
+      w = e.what();
+    }
+    CHECK(xirang_test::Clock::now() - t1 < milliseconds(5000));
+    CHECK(w == "the group was aborted: rank 0 failed (waiting for rank 0's NCCL unique id)");
+  }
+  // rank 0's ncclGetUniqueId fails: it says so under the key, and rank 1 fails with it at once
+  {
+    struct NoUniqueId : FailingSends {
+      using FailingSends::FailingSends;
+      int getUniqueId(dv::NcclUniqueId*) override { return dv::kNcclInvalidArgument; }
+    } broken(dev.nccl(), 1 << 30);
+    MemStore store;
+    std::vector<std::string> w(2);
+    const auto t2 = xirang_test::Clock::now();
+    runRanks(2, [&](int r) {
+      try {
+        tp::shareNcclUniqueId(r == 0 ? static_cast<dv::NcclApi&>(broken) : dev.nccl(), store, "uid", r,
+                              after(milliseconds(20000)));
+      } catch (const tp::TransportError& e) {
+        w[static_cast<size_t>(r)] = e.what();
+      }
+    });
+    CHECK(xirang_test::Clock::now() - t2 < milliseconds(5000));
+    CHECK(w[0].rfind("ncclGetUniqueId: NCCL error", 0) == 0);
+    CHECK(w[1] == "rank 0 could not make the NCCL unique id: " + w[0]);
+  }
 }

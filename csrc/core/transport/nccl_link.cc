@@ -55,15 +55,35 @@ void encodeRecord(const FrameHeader& h, const std::vector<Seg>& segs, uint8_t* o
 }  // namespace
 
 dv::NcclUniqueId shareNcclUniqueId(dv::NcclApi& nccl, Store& store, const std::string& key, int rank,
-                                   Deadline deadline) {
+                                   Deadline deadline, const StopCheck& stop) {
   dv::NcclUniqueId id;
+  static const std::string kError = "error: ";
   if (rank == 0) {
     const int r = nccl.getUniqueId(&id);
-    if (r != dv::kNcclSuccess) throw TransportError("ncclGetUniqueId: " + ncclWhat(nccl, nullptr, r), -1);
+    if (r != dv::kNcclSuccess) {
+      const std::string why = "ncclGetUniqueId: " + ncclWhat(nccl, nullptr, r);
+      try {
+        store.set(key, kError + why);  // the others fail now, not at their deadline
+      } catch (const std::exception&) {
+      }
+      throw TransportError(why, -1);
+    }
     store.set(key, std::string(id.internal, sizeof id.internal));
     return id;
   }
+  for (;;) {
+    if (store.check(key)) break;
+    if (stop) {
+      const std::string why = stop();
+      if (!why.empty()) throw TransportError(why + " (waiting for rank 0's NCCL unique id)", -1);
+    }
+    if (Clock::now() >= deadline)
+      throw TimeoutError("timed out waiting for rank 0's NCCL unique id under store key '" + key + "'", 0);
+    std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(50), deadline - Clock::now()));
+  }
   const std::string v = store.get(key, deadline);
+  if (v.size() != sizeof id.internal && v.compare(0, kError.size(), kError) == 0)
+    throw TransportError("rank 0 could not make the NCCL unique id: " + v.substr(kError.size(), 1024), 0);
   if (v.size() != sizeof id.internal)
     throw TransportError("NCCL unique id under store key '" + key + "' has " + std::to_string(v.size()) +
                              " bytes, expected " + std::to_string(sizeof id.internal),
@@ -79,50 +99,75 @@ NcclChoice chooseNccl(const std::vector<NcclCandidate>& ranks) {
     if (!c.automatic) return {false, who + " has XIRANG_CUDA_TRANSPORT=host or mirror"};
     if (!c.unavailable.empty()) return {false, who + " cannot use NCCL: " + c.unavailable};
     if (c.gpu.empty()) return {false, who + " named no GPU"};
-    for (size_t s = 0; s < r; ++s)
-      if (ranks[s].gpu == c.gpu)
-        return {false, "rank " + std::to_string(s) + " and " + who + " share GPU " + c.gpu +
-                           " (NCCL refuses two ranks on one GPU)"};
+    if (c.version != ranks[0].version)
+      return {false, "rank 0 loaded NCCL " + ranks[0].version + ", " + who + " NCCL " + c.version +
+                         " (NCCL refuses ranks of different versions)"};
+    for (size_t s = 0; s < r; ++s) {
+      const bool same_uuid = ranks[s].gpu == c.gpu;
+      if (same_uuid || (!c.where.empty() && ranks[s].where == c.where))
+        return {false, "rank " + std::to_string(s) + " and " + who + " share GPU " +
+                           (same_uuid ? c.gpu : c.where) + " (NCCL refuses two ranks on one GPU)"};
+    }
   }
-  return {true, "NCCL loaded on every rank and each of the " + std::to_string(ranks.size()) +
-                    " ranks has a GPU of its own"};
+  return {true, "NCCL " + (ranks.empty() ? std::string() : ranks[0].version) + " loaded on every rank and each of the " +
+                    std::to_string(ranks.size()) + " ranks has a GPU of its own"};
 }
 
 namespace {
 constexpr size_t kCandidateMaxBytes = 4096;
-// "xirang-nccl-candidate 1|<automatic 0/1>|<gpu>|<unavailable...>"; the GPU text has no '|'.
-constexpr const char* kCandidateTag = "xirang-nccl-candidate 1|";
+// "xirang-nccl-candidate 2|<automatic 0/1>|<gpu>|<where>|<version>|<unavailable...>"; the first
+// four fields hold no '|'.
+constexpr const char* kCandidateTag = "xirang-nccl-candidate 2|";
+
+std::string field(std::string v) {
+  std::replace(v.begin(), v.end(), '|', '_');
+  return v;
+}
 
 std::string encodeCandidate(const NcclCandidate& c) {
-  std::string gpu = c.gpu;
-  std::replace(gpu.begin(), gpu.end(), '|', '_');
-  std::string s = std::string(kCandidateTag) + (c.automatic ? "1" : "0") + "|" + gpu + "|" + c.unavailable;
+  std::string s = std::string(kCandidateTag) + (c.automatic ? "1" : "0") + "|" + field(c.gpu) + "|" +
+                  field(c.where) + "|" + field(c.version) + "|" + c.unavailable;
   if (s.size() > kCandidateMaxBytes) s.resize(kCandidateMaxBytes);
   return s;
 }
 
 NcclCandidate decodeCandidate(const std::string& v, int rank) {
-  const size_t a = std::strlen(kCandidateTag);  // v[a]: automatic; v[a + 1]: '|'; then gpu '|' unavailable
   NcclCandidate c;
-  const bool framed = v.size() <= kCandidateMaxBytes && v.size() >= a + 2 && v.compare(0, a, kCandidateTag) == 0 &&
-                      (v[a] == '0' || v[a] == '1') && v[a + 1] == '|';
-  const size_t e = framed ? v.find('|', a + 2) : std::string::npos;
-  if (e == std::string::npos) {
+  const size_t a = std::strlen(kCandidateTag);
+  std::vector<std::string> f;  // automatic, gpu, where, version
+  size_t at = a;
+  const bool tagged = v.size() <= kCandidateMaxBytes && v.compare(0, a, kCandidateTag) == 0;
+  while (tagged && f.size() < 4) {
+    const size_t e = v.find('|', at);
+    if (e == std::string::npos) break;
+    f.push_back(v.substr(at, e - at));
+    at = e + 1;
+  }
+  if (f.size() < 4 || (f[0] != "0" && f[0] != "1")) {
     c.unavailable = "its record (" + std::to_string(v.size()) + " bytes) did not parse (rank " + std::to_string(rank) +
                     " runs another xirang version?)";
     return c;
   }
-  c.automatic = v[a] == '1';
-  c.gpu = v.substr(a + 2, e - (a + 2));
-  c.unavailable = v.substr(e + 1);
+  c.automatic = f[0] == "1";
+  c.gpu = f[1];
+  c.where = f[2];
+  c.version = f[3];
+  c.unavailable = v.substr(at);
   return c;
 }
 }  // namespace
 
+NcclChoice declareNotAuto(Store& store, const std::string& key, int rank) {
+  NcclCandidate c;
+  c.automatic = false;
+  store.set(key + "/" + std::to_string(rank), encodeCandidate(c));
+  return {false, "this rank has XIRANG_CUDA_TRANSPORT=host or mirror"};
+}
+
 NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size, const NcclCandidate& mine,
                        Deadline deadline, const std::function<std::string(int)>& gone) {
+  if (!mine.automatic) return declareNotAuto(store, key, rank);
   store.set(key + "/" + std::to_string(rank), encodeCandidate(mine));
-  if (!mine.automatic) return {false, "this rank has XIRANG_CUDA_TRANSPORT=host or mirror"};
   std::vector<NcclCandidate> all(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r) {
     if (r == rank) {
@@ -150,7 +195,7 @@ NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size,
 }
 
 dv::NcclComm initNcclComm(dv::NcclApi& nccl, const dv::NcclUniqueId& id, int rank, int size, Deadline deadline,
-                          const std::string& name) {
+                          const std::string& name, const StopCheck& stop) {
   dv::NcclConfig cfg;
   cfg.blocking = false;
   cfg.comm_name = name;
@@ -164,10 +209,19 @@ dv::NcclComm initNcclComm(dv::NcclApi& nccl, const dv::NcclUniqueId& id, int ran
     throw TransportError(msg, -1);
   }
   Backoff b;
+  auto next_stop = Clock::now() + std::chrono::milliseconds(50);
   for (;;) {
     int async = dv::kNcclInProgress;
     r = nccl.commGetAsyncError(comm, &async);
     if (r == dv::kNcclSuccess && async == dv::kNcclSuccess) return comm;
+    if (stop && Clock::now() >= next_stop) {
+      next_stop = Clock::now() + std::chrono::milliseconds(50);
+      const std::string why = stop();
+      if (!why.empty()) {
+        (void)nccl.commAbort(comm);
+        throw TransportError(why + " (initialising " + what + ")", -1);
+      }
+    }
     if (r != dv::kNcclSuccess || async != dv::kNcclInProgress) {
       const std::string msg = "initialising " + what + ": " + ncclWhat(nccl, comm, r != dv::kNcclSuccess ? r : async);
       (void)nccl.commAbort(comm);

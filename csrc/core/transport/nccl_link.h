@@ -54,17 +54,23 @@
 
 namespace xirang::transport {
 
+// Why a wait for the other ranks should end now ("" while it may go on): this rank's group was
+// interrupted or aborted, a peer is gone. Called about every 50 ms of a wait, on the waiting thread.
+using StopCheck = std::function<std::string()>;
+
 // Rank 0 creates the communicator's unique id and sets it under `key`; the other ranks read it,
-// waiting until `deadline`. `key` must name the group and the ring epoch (never a per-process
-// counter: a counter that diverges across restarts reads a stale id, pytorch#135712).
+// polling the store until `deadline` (TimeoutError) or a non-empty `stop()` (TransportError
+// carrying it). `key` must name the group and the ring epoch (never a per-process counter: a
+// counter that diverges across restarts reads a stale id, pytorch#135712). When rank 0's
+// ncclGetUniqueId fails it sets "error: <why>" there instead, and the others fail with it at once.
 device::NcclUniqueId shareNcclUniqueId(device::NcclApi& nccl, Store& store, const std::string& key, int rank,
-                                       Deadline deadline);
+                                       Deadline deadline, const StopCheck& stop = {});
 
 // This rank's communicator of `size` ranks: ncclCommInitRankConfig non-blocking, polled until
-// every rank has joined. An error, or `deadline` (a rank that never joins), aborts the half-made
-// communicator and throws TransportError / TimeoutError naming `name`.
+// every rank has joined. An error, `deadline` (a rank that never joins) or a non-empty `stop()`
+// aborts the half-made communicator and throws TransportError / TimeoutError naming `name`.
 device::NcclComm initNcclComm(device::NcclApi& nccl, const device::NcclUniqueId& id, int rank, int size,
-                              Deadline deadline, const std::string& name = "");
+                              Deadline deadline, const std::string& name = "", const StopCheck& stop = {});
 
 // XIRANG_CUDA_TRANSPORT=auto's choice between the NCCL engine and the host-staged ones, made once
 // per group at its first CUDA collective (#12: NCCL when it loaded and every rank has a GPU of its
@@ -73,6 +79,8 @@ struct NcclCandidate {
   bool automatic = true;    // its setting is auto (host / mirror: never NCCL, and it does not wait)
   std::string unavailable;  // empty: this rank loaded NCCL; else why not (shown in the reason)
   std::string gpu;          // its op's GPU, as a text that names one GPU across processes (the UUID)
+  std::string where;        // the same GPU as NCCL tells GPUs apart: "<host>/<PCI bus id>" ("": unknown)
+  std::string version;      // the NCCL version it loaded ("2.27.3")
 };
 struct NcclChoice {
   bool nccl = false;
@@ -80,8 +88,14 @@ struct NcclChoice {
 };
 
 // The choice from every rank's candidate (index = rank): NCCL iff every rank is automatic, loaded
-// NCCL and names a GPU (non-empty) that no other rank names. Pure: equal inputs, equal outputs.
+// NCCL of rank 0's version (NCCL refuses mixed versions at init) and names a GPU (non-empty) that
+// no other rank names, by UUID or by host and PCI bus id (NCCL's own duplicate test: MIG instances
+// of one GPU have UUIDs of their own and one bus id). Pure: equal inputs, equal outputs.
 NcclChoice chooseNccl(const std::vector<NcclCandidate>& ranks);
+
+// What a rank whose setting is host or mirror says (agreeOnNccl's record with automatic=false),
+// once at group creation: its auto peers then choose host without waiting for it.
+NcclChoice declareNotAuto(Store& store, const std::string& key, int rank);
 
 // The store round of that choice. Every rank sets its candidate under `key`/<rank>. An automatic
 // rank then reads every rank's (in rank order, waiting until `deadline`) and returns
