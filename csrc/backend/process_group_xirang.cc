@@ -16,6 +16,7 @@
 #include "core/codec.h"
 #include "core/env.h"
 #include "core/generation.h"
+#include "core/transport/nccl_link.h"
 
 namespace xirang {
 
@@ -169,6 +170,7 @@ ProcessGroupXirang::~ProcessGroupXirang() {
 }
 
 void ProcessGroupXirang::shutdownAllForExit(std::chrono::milliseconds drain) {
+  transport::NcclLink::leakAtExit();  // groups freed after this make no NCCL or CUDA call
   {
     std::lock_guard<std::mutex> g(liveMu());
     for (ProcessGroupXirang* pg : liveGroups()) {

@@ -254,7 +254,14 @@ NcclLink::NcclLink(dv::NcclApi& nccl, dv::CudaApi& cuda, dv::NcclComm comm, int 
   hdr_host_ = static_cast<uint8_t*>(h);
 }
 
+namespace {
+std::atomic<bool> g_leak_at_exit{false};
+}  // namespace
+
+void NcclLink::leakAtExit() { g_leak_at_exit = true; }
+
 NcclLink::~NcclLink() {
+  if (g_leak_at_exit.load()) return;
   // Idle (nothing pending on the stream): destroy the communicator and free the buffers. Else
   // abort it, and leave the small header buffers to the process (work still queued on the
   // stream may write them).

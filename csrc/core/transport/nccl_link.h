@@ -117,8 +117,14 @@ class NcclLink : public Link {
   // its header buffers (device and pinned host memory) here.
   NcclLink(device::NcclApi& nccl, device::CudaApi& cuda, device::NcclComm comm, int rank, int size,
            device::Stream stream);
-  // Destroys the communicator when the stream is idle, else aborts it.
+  // Destroys the communicator when the stream is idle, else aborts it; after leakAtExit(), neither
+  // (no NCCL or CUDA call at all).
   ~NcclLink() override;
+  // Any thread, once the process is exiting (the backend's exit handler): links destroyed from now
+  // on leave their communicator and buffers to the process's end, as torch's NCCL backend does at
+  // teardown: ncclCommDestroy / ncclCommAbort may wait for same-host peers that are gone, and the
+  // CUDA driver may already be shutting down.
+  static void leakAtExit();
   NcclLink(const NcclLink&) = delete;
   NcclLink& operator=(const NcclLink&) = delete;
 
