@@ -271,12 +271,9 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("local,subgroup", [("auto", False), ("tcp", False), ("tcp", True)])
-def test_destroy_after_the_store_host_exited_is_quiet(tmp_path, local, subgroup):
-    """A rank destroying its group after the rank that hosted the store exited writes no exit note
-    (every peer is gone: nobody waits for it), so torch's TCPStore prints no failed send with a
-    C++ backtrace on a clean job end. With a subgroup Python still holds, shut down a second time
-    at exit (its connections closed by then), the note is not written again."""
+def _run_store_script(tmp_path, name, text, args, env, timeout):
+    """Runs ``text`` (a script whose rank 0 hosts the TCPStore on the port given as its first
+    argument, then ``args``) with ``env`` added; the CompletedProcess."""
     import socket
     import subprocess
     import sys
@@ -288,11 +285,20 @@ def test_destroy_after_the_store_host_exited_is_quiet(tmp_path, local, subgroup)
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    script = tmp_path / "store_host_exits.py"
-    script.write_text(_STORE_HOST_EXITS)
-    env = dict(os.environ, XIRANG_TRANSPORT_LOCAL=local, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, str(script), str(port), "1" if subgroup else "0"], env=env,
-                       capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    script = tmp_path / name
+    script.write_text(text)
+    return subprocess.run([sys.executable, str(script), str(port), *args], env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+                          capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
+
+
+@pytest.mark.parametrize("local,subgroup", [("auto", False), ("tcp", False), ("tcp", True)])
+def test_destroy_after_the_store_host_exited_is_quiet(tmp_path, local, subgroup):
+    """A rank destroying its group after the rank that hosted the store exited writes no exit note
+    (every peer is gone: nobody waits for it), so torch's TCPStore prints no failed send with a
+    C++ backtrace on a clean job end. With a subgroup Python still holds, shut down a second time
+    at exit (its connections closed by then), the note is not written again."""
+    p = _run_store_script(tmp_path, "store_host_exits.py", _STORE_HOST_EXITS, ["1" if subgroup else "0"],
+                          dict(XIRANG_TRANSPORT_LOCAL=local), timeout=120)
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "rank 1 destroyed" in out, out[-4000:]
     assert "sendBytes failed" not in out and "Broken pipe" not in out and "frame #" not in out, out[-4000:]
@@ -335,22 +341,7 @@ def test_store_host_killed_in_elastic_mode_errors_without_a_backtrace(tmp_path):
     unreachable (...)" (elastic mode needs a store that outlives every node) in one line, not with
     c10::Error's C++ backtrace (25 frames, found by a new user), and destroy writes no note into
     the dead store. torch's own store client may still log its first failed send once."""
-    import socket
-    import subprocess
-    import sys
-
-    from conftest import require_backend
-
-    require_backend("xirang")
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    script = tmp_path / "store_host_killed.py"
-    script.write_text(_STORE_HOST_KILLED)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, str(script), str(port)], env=env, capture_output=True, text=True,
-                       timeout=150, cwd=str(tmp_path))
+    p = _run_store_script(tmp_path, "store_host_killed.py", _STORE_HOST_KILLED, [], {}, timeout=150)
     out = p.stdout + p.stderr
     for r in (1, 2):
         line = next((x for x in out.splitlines() if x.startswith(f"rank {r} error: ")), None)

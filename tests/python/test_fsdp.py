@@ -174,6 +174,35 @@ def partial_grad(step, rank, name, shape):
     return torch.randn(shape, generator=g) * 10.0 ** torch.randint(-3, 2, shape, generator=g)
 
 
+def _partial_reference(steps, ws, shapes):
+    """(name -> fp64 sum over the steps that used it of the true mean gradient over ``ws`` ranks,
+    the largest |mean| element)."""
+    ref_sum, scale = {}, 0.0
+    for t in range(steps):
+        for n in PARTIAL_USE[t % len(PARTIAL_USE)]:
+            m = sum(partial_grad(t, r, n, shapes[n]).double() for r in range(ws)) / ws
+            ref_sum[n] = ref_sum.get(n, 0) + m
+            scale = max(scale, float(m.abs().max()))
+    return ref_sum, scale
+
+
+def _hsdp_mesh_over_tcp():
+    """A (2 replicate, 2 shard) cpu mesh whose groups move bytes over TCP: on one host the default
+    (auto) would run the replicate group's error-feedback op as an exact fp32 average over shared
+    memory, and the compressed wire would go untested."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    saved = os.environ.get("XIRANG_TRANSPORT_LOCAL")
+    os.environ["XIRANG_TRANSPORT_LOCAL"] = "tcp"
+    try:
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    finally:
+        if saved is None:
+            del os.environ["XIRANG_TRANSPORT_LOCAL"]
+        else:
+            os.environ["XIRANG_TRANSPORT_LOCAL"] = saved
+
+
 def w_partial(steps, wire):
     """Partial under one FSDP group, ``wire`` + EF: per parameter the fp64 sum of the applied full
     gradients, whether an unused one stayed without a gradient, the residuals and resets."""
@@ -183,6 +212,14 @@ def w_partial(steps, wire):
     net = Partial()
     fully_shard(net, mesh=_mesh())
     comp = xirang.fsdp.compress(net, wire=wire, error_feedback=True)
+    acc, none_ok = _partial_steps(net, steps)
+    return {"applied_sum": acc, "none_ok": none_ok, "residuals": {k: v.clone() for k, v in comp.residuals.items()},
+            "layouts": _layouts(net, comp), "stats": comp.stats()}
+
+
+def _partial_steps(net, steps):
+    """Runs ``steps`` backwards of Partial (this rank's gradients, PARTIAL_USE's parameters):
+    (name -> fp64 sum of the applied full gradients, whether every unused one had none)."""
     acc, none_ok = {}, True
     for t in range(steps):
         used = PARTIAL_USE[t % len(PARTIAL_USE)]
@@ -194,8 +231,7 @@ def w_partial(steps, wire):
                 acc[n] = acc.get(n, 0) + p.grad.full_tensor().double()
             else:
                 none_ok = none_ok and p.grad is None
-    return {"applied_sum": acc, "none_ok": none_ok, "residuals": {k: v.clone() for k, v in comp.residuals.items()},
-            "layouts": _layouts(net, comp), "stats": comp.stats()}
+    return acc, none_ok
 
 
 def w_partial_hsdp(steps, wire):
@@ -203,30 +239,13 @@ def w_partial_hsdp(steps, wire):
     EF at both levels: per parameter the fp64 sum of the applied gradients, the shard residuals
     and the replicate residuals (this rank's), the mesh coordinate."""
     import xirang
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    saved = os.environ.get("XIRANG_TRANSPORT_LOCAL")
-    os.environ["XIRANG_TRANSPORT_LOCAL"] = "tcp"  # the compressed wire, not shared memory's exact mean
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    finally:
-        if saved is None:
-            del os.environ["XIRANG_TRANSPORT_LOCAL"]
-        else:
-            os.environ["XIRANG_TRANSPORT_LOCAL"] = saved
+    mesh = _hsdp_mesh_over_tcp()
     net = Partial()
     fully_shard(net, mesh=mesh["shard"])
     comp = xirang.fsdp.compress(net, wire=wire, error_feedback=True, replicate_group=mesh["replicate"].get_group())
-    acc = {}
-    for t in range(steps):
-        used = PARTIAL_USE[t % len(PARTIAL_USE)]
-        g = {n: partial_grad(t, _rank(), n, tuple(p.shape)) for n, p in net.named_parameters()}
-        net.zero_grad(set_to_none=True)
-        net(used, g).backward()
-        for n, p in net.named_parameters():
-            if n in used:
-                acc[n] = acc.get(n, 0) + p.grad.full_tensor().double()
+    acc, _ = _partial_steps(net, steps)
     (name, c), = comp.comms.items()
     return {"applied_sum": acc, "shard": c.residual.clone(), "replicate": c.replicate_residual.clone(),
             "coord": tuple(mesh.get_coordinate()), "layouts": _layouts(net, comp), "name": name,
@@ -456,19 +475,8 @@ def w_hsdp_hook(wire, steps=2, ef=True):
     """HSDP with the replicate dimension through xirang: fully_shard on mesh["shard"], compress
     with replicate_group; replica 1's parameters start perturbed (compress broadcasts replica 0's)."""
     import xirang
-    from torch.distributed.device_mesh import init_device_mesh
 
-    # Over TCP: on one host the default (auto) would run the replicate group's error-feedback op
-    # as an exact fp32 average over shared memory, and the compressed wire would go untested.
-    saved = os.environ.get("XIRANG_TRANSPORT_LOCAL")
-    os.environ["XIRANG_TRANSPORT_LOCAL"] = "tcp"
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    finally:
-        if saved is None:
-            del os.environ["XIRANG_TRANSPORT_LOCAL"]
-        else:
-            os.environ["XIRANG_TRANSPORT_LOCAL"] = saved
+    mesh = _hsdp_mesh_over_tcp()
     net = make_net(0)
     if mesh.get_coordinate()[0] != 0:
         with torch.no_grad():
@@ -726,12 +734,7 @@ def test_backwards_that_use_some_parameters_keep_each_ones_residual(pool, ws, wi
     T = 24
     res = pool.run(w_partial, T, wire, timeout=120)
     shapes = {"a": (5,), "b": (5,), "c": (3, 2)}
-    ref_sum, scale = {}, 0.0
-    for t in range(T):
-        for n in PARTIAL_USE[t % len(PARTIAL_USE)]:
-            m = sum(partial_grad(t, r, n, shapes[n]).double() for r in range(ws)) / ws
-            ref_sum[n] = ref_sum.get(n, 0) + m
-            scale = max(scale, float(m.abs().max()))
+    ref_sum, scale = _partial_reference(T, ws, shapes)
     resid = {}
     for r in range(ws):
         assert res[r]["none_ok"], f"rank {r}: an unused parameter got a gradient"
@@ -760,12 +763,7 @@ def test_hsdp_backwards_that_use_some_parameters_keep_each_ones_residuals(pool, 
     T, R, N = 18, 2, 2
     res = pool.run(w_partial_hsdp, T, wire, timeout=120)
     shapes = {"a": (5,), "b": (5,), "c": (3, 2)}
-    ref_sum, scale = {}, 0.0
-    for t in range(T):
-        for n in PARTIAL_USE[t % len(PARTIAL_USE)]:
-            m = sum(partial_grad(t, r, n, shapes[n]).double() for r in range(ws)) / ws
-            ref_sum[n] = ref_sum.get(n, 0) + m
-            scale = max(scale, float(m.abs().max()))
+    ref_sum, scale = _partial_reference(T, ws, shapes)
     lay = res[0]["layouts"][res[0]["name"]]
     resid = {n: 0 for n in shapes}
     for r in range(ws):
