@@ -573,7 +573,27 @@ bool Engine::useNccl(bool device_link, const std::vector<at::Tensor>& tensors) {
   // whatever the choice.
   if (!device_link) return false;
   std::lock_guard<std::mutex> g(decide_mu_);
-  if (use_nccl_) return *use_nccl_;
+  if (!use_nccl_) decideAuto(tensors);
+  if (!said_) {
+    said_ = true;
+    const std::string why = auto_why_.empty() ? std::string() : ": " + auto_why_;
+    std::string how;
+    if (*use_nccl_)
+      how = std::string("over NCCL (") + transportName(transport_) + why + "; point-to-point host-staged)";
+    else if (staged_)
+      how = std::string("host-staged (") + transportName(transport_) + why +
+            "): the codec and reductions as kernels on the GPU, only the bytes sent through pinned host buffers "
+            "and TCP (pinned mirrors of whole tensors and the CPU engine where ranks share a host's memory or for "
+            "point-to-point)";
+    else
+      how = std::string("host-staged (") + transportName(transport_) + why +
+            "): pinned host mirrors and the TCP/shared-memory engine";
+    env::log(env::Level::Info, setup_.rank, "group '" + setup_.group_name + "': CUDA tensors run " + how);
+  }
+  return *use_nccl_;
+}
+
+void Engine::decideAuto(const std::vector<at::Tensor>& tensors) {
   // XIRANG_CUDA_TRANSPORT=auto, this group's first CUDA collective.
   c10::Device dev(c10::kCPU);
   for (const auto& t : tensors)
@@ -595,31 +615,10 @@ bool Engine::useNccl(bool device_link, const std::vector<at::Tensor>& tensors) {
   }
   use_nccl_ = c.nccl;
   auto_why_ = c.why;
-  return c.nccl;
 }
 
 std::shared_ptr<OpStage> Engine::stage(bool device_link, const std::vector<at::Tensor>& tensors) {
-  const bool nccl = useNccl(device_link, tensors);
-  if (device_link) {
-    std::lock_guard<std::mutex> g(decide_mu_);
-    if (!said_ && use_nccl_) {
-      said_ = true;
-      std::string how;
-      const std::string why = auto_why_.empty() ? std::string() : ": " + auto_why_;
-      if (*use_nccl_)
-        how = std::string("over NCCL (") + transportName(transport_) + why + "; point-to-point host-staged)";
-      else if (staged_)
-        how = std::string("host-staged (") + transportName(transport_) + why +
-              "): the codec and reductions as kernels on the GPU, only the bytes sent through pinned host buffers "
-              "and TCP (pinned mirrors of whole tensors and the CPU engine where ranks share a host's memory or for "
-              "point-to-point)";
-      else
-        how = std::string("host-staged (") + transportName(transport_) + why +
-              "): pinned host mirrors and the TCP/shared-memory engine";
-      env::log(env::Level::Info, setup_.rank, "group '" + setup_.group_name + "': CUDA tensors run " + how);
-    }
-  }
-  if (nccl && device_link) return std::make_shared<DeviceStage>(streams_, nccl_);
+  if (useNccl(device_link, tensors)) return std::make_shared<DeviceStage>(streams_, nccl_);
   if (device_link && stagedFits(tensors)) return std::make_shared<DeviceStage>(streams_, staged_);
   return std::make_shared<Stage>(streams_);
 }

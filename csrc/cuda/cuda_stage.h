@@ -191,7 +191,10 @@ class Engine : public DeviceEngine {
   // every rank, by a store round (transport::agreeOnNccl: NCCL when it loaded everywhere and every
   // rank's GPU is its own; this blocks the caller until every rank has reached it, at most the
   // group's timeout: c10::Error naming the rank that did not come).
+  // Also says once, at INFO, how the group's CUDA tensors run.
   bool useNccl(bool device_link, const std::vector<at::Tensor>& tensors);
+  // Under decide_mu_: auto's choice (use_nccl_, auto_why_) by the store round.
+  void decideAuto(const std::vector<at::Tensor>& tensors);
   // The store key under which the ranks' auto records lie (transport::agreeOnNccl).
   std::string autoKey() const;
   EngineSetup setup_;

@@ -268,10 +268,10 @@ class XirangReduceScatter(_ReduceScatterBase):
         held, pg = self._holding, self._param_group
         if held is None or pg is None:
             return None
-        full = [i for i, fp in enumerate(pg.fsdp_params) if fp.sharded_param.requires_grad]
+        sizes = _reduced_sizes(pg)
+        full = list(sizes)
         if list(held) == full or not set(held) <= set(full):
             return None
-        sizes = {i: pg.fsdp_params[i].padded_sharded_param_size.numel() for i in full}
         if ws * sum(sizes[i] for i in held) != n:
             return None
         key = (tuple(held), ws, device)
@@ -426,23 +426,22 @@ class XirangReduceScatter(_ReduceScatterBase):
             # only some parameters (see __call__): their parts of the residual, the rest kept
             r_in = self.replicate_residual[sub[1]]
             r_out = torch.zeros_like(r_in)
-            backend_for(g).allreduce_ef(reduce_output, r_in, r_out, -1, label=f"fsdp replicate {self.name}",
-                                        wire=self.wire).wait()
-            if bool(torch.isfinite(reduce_output).all()):
+        else:
+            if self.replicate_residual is None or self.replicate_residual.numel() != n:
+                if self.replicate_residual is not None:
+                    self._reset(f"the replicate all-reduce has {n} elements, the residual "
+                                f"{self.replicate_residual.numel()}")
+                self.replicate_residual = torch.zeros(n, dtype=torch.float32, device=reduce_output.device)
+            if self._replicate_staged is None or self._replicate_staged.numel() != n:
+                self._replicate_staged = torch.zeros_like(self.replicate_residual)
+            sub, r_in, r_out = None, self.replicate_residual, self._replicate_staged
+        backend_for(g).allreduce_ef(reduce_output, r_in, r_out, -1, label=f"fsdp replicate {self.name}",
+                                    wire=self.wire).wait()
+        if bool(torch.isfinite(reduce_output).all()):  # commit the new residual
+            if sub is not None:
                 self.replicate_residual[sub[1]] = r_out
-            return
-        if self.replicate_residual is None or self.replicate_residual.numel() != n:
-            if self.replicate_residual is not None:
-                self._reset(f"the replicate all-reduce has {n} elements, the residual "
-                            f"{self.replicate_residual.numel()}")
-            self.replicate_residual = torch.zeros(n, dtype=torch.float32, device=reduce_output.device)
-        if self._replicate_staged is None or self._replicate_staged.numel() != n:
-            self._replicate_staged = torch.zeros_like(self.replicate_residual)
-        work = backend_for(g).allreduce_ef(reduce_output, self.replicate_residual, self._replicate_staged,
-                                           -1, label=f"fsdp replicate {self.name}", wire=self.wire)
-        work.wait()
-        if bool(torch.isfinite(reduce_output).all()):
-            self.replicate_residual, self._replicate_staged = self._replicate_staged, self.replicate_residual
+            else:
+                self.replicate_residual, self._replicate_staged = r_out, r_in
 
     def _reset(self, why: str) -> None:
         self.resets += 1
@@ -632,6 +631,14 @@ def _fsdp_groups(module: nn.Module) -> List[Tuple[str, Any, Any]]:
     return out
 
 
+def _reduced_sizes(pg: Any) -> Dict[int, int]:
+    """index in ``pg.fsdp_params`` -> padded shard size (elements) of every parameter that requires
+    grad, in order: the full layout of the group's reduce-scatter (one such run per rank) and of
+    its output."""
+    return {i: fp.padded_sharded_param_size.numel() for i, fp in enumerate(pg.fsdp_params)
+            if fp.sharded_param.requires_grad}
+
+
 def _params_with_grad(pg: Any) -> Tuple[int, ...]:
     """Indices in ``pg.fsdp_params`` of the parameters FSDP2's ``FSDPParamGroup.post_backward``
     is about to reduce-scatter (torch 2.11-2.14: an accumulated gradient, a gradient, or, with
@@ -803,8 +810,7 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
                                        None if factor is None else float(factor), mean_over=ws * rep)
         comm.user_factor = None if factor is None else float(factor)
         if comm.error_feedback and ws > 1:
-            n = ws * sum(p.padded_sharded_param_size.numel() for p in pg.fsdp_params
-                         if p.sharded_param.requires_grad)
+            n = ws * sum(_reduced_sizes(pg).values())
             comm.residual = torch.zeros(n, dtype=residual_dtype, device=pg.device)
         else:
             comm.error_feedback = comm.error_feedback and ws > 1
@@ -814,8 +820,7 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
             pg._all_reduce_hook = None  # an earlier compress(replicate_group=...)'s hook goes with its comm
         if replicate_group is not None:
             if comm.wire in ("bf16", "int8") and comm.error_feedback:
-                n_out = sum(p.padded_sharded_param_size.numel() for p in pg.fsdp_params
-                            if p.sharded_param.requires_grad)
+                n_out = sum(_reduced_sizes(pg).values())
                 comm.replicate_residual = torch.zeros(n_out, dtype=torch.float32, device=pg.device)
             st_module.set_all_reduce_hook(comm.all_reduce_hook)
         if ws > 1:

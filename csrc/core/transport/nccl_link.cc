@@ -52,6 +52,21 @@ void encodeRecord(const FrameHeader& h, const std::vector<Seg>& segs, uint8_t* o
   putU64(out + kHeaderBytes + 8, segs.empty() ? 0 : segs[0].bytes);
 }
 
+// Polls `store` for `key` about every 50 ms until it exists (""), or until `stop()` (may be empty)
+// says why the wait should end (its answer); TimeoutError(timeout_what, timeout_peer) at `deadline`.
+std::string pollForKey(Store& store, const std::string& key, Deadline deadline, const StopCheck& stop,
+                       const std::string& timeout_what, int timeout_peer) {
+  for (;;) {
+    if (store.check(key)) return {};
+    if (stop) {
+      std::string why = stop();
+      if (!why.empty()) return why;
+    }
+    if (Clock::now() >= deadline) throw TimeoutError(timeout_what, timeout_peer);
+    std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(50), deadline - Clock::now()));
+  }
+}
+
 }  // namespace
 
 dv::NcclUniqueId shareNcclUniqueId(dv::NcclApi& nccl, Store& store, const std::string& key, int rank,
@@ -71,16 +86,9 @@ dv::NcclUniqueId shareNcclUniqueId(dv::NcclApi& nccl, Store& store, const std::s
     store.set(key, std::string(id.internal, sizeof id.internal));
     return id;
   }
-  for (;;) {
-    if (store.check(key)) break;
-    if (stop) {
-      const std::string why = stop();
-      if (!why.empty()) throw TransportError(why + " (waiting for rank 0's NCCL unique id)", -1);
-    }
-    if (Clock::now() >= deadline)
-      throw TimeoutError("timed out waiting for rank 0's NCCL unique id under store key '" + key + "'", 0);
-    std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(50), deadline - Clock::now()));
-  }
+  const std::string why =
+      pollForKey(store, key, deadline, stop, "timed out waiting for rank 0's NCCL unique id under store key '" + key + "'", 0);
+  if (!why.empty()) throw TransportError(why + " (waiting for rank 0's NCCL unique id)", -1);
   const std::string v = store.get(key, deadline);
   if (v.size() != sizeof id.internal && v.compare(0, kError.size(), kError) == 0)
     throw TransportError("rank 0 could not make the NCCL unique id: " + v.substr(kError.size(), 1024), 0);
@@ -176,19 +184,13 @@ NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size,
     }
     const std::string k = key + "/" + std::to_string(r);
     const std::string who = "rank " + std::to_string(r);
-    for (;;) {
-      if (store.check(k)) break;
-      if (gone) {
-        const std::string why = gone(r);
-        if (!why.empty()) throw TransportError(why + " (waiting for " + who + " to say whether it can use NCCL)", r);
-      }
-      if (Clock::now() >= deadline)
-        throw TimeoutError(who + " did not say whether it can use NCCL by the group's timeout (" +
-                               "XIRANG_CUDA_TRANSPORT=auto decides at the first CUDA collective, which every rank must " +
-                               "run on CUDA tensors; set XIRANG_CUDA_TRANSPORT=host where ranks mix CPU and CUDA)",
-                           -1);
-      std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(50), deadline - Clock::now()));
-    }
+    const std::string why = pollForKey(
+        store, k, deadline, gone ? StopCheck([&gone, r] { return gone(r); }) : StopCheck(),
+        who + " did not say whether it can use NCCL by the group's timeout (XIRANG_CUDA_TRANSPORT=auto decides at "
+              "the first CUDA collective, which every rank must run on CUDA tensors; set XIRANG_CUDA_TRANSPORT=host "
+              "where ranks mix CPU and CUDA)",
+        -1);
+    if (!why.empty()) throw TransportError(why + " (waiting for " + who + " to say whether it can use NCCL)", r);
     all[static_cast<size_t>(r)] = decodeCandidate(store.get(k, deadline), r);
   }
   return chooseNccl(all);
