@@ -238,7 +238,7 @@ def test_peer_that_never_connected_is_detected_fast(backend):
 
 # ---------------------------------------------------------------- destroy after the store's host left
 _STORE_HOST_EXITS = r"""
-import datetime, os, sys, time
+import datetime, os, socket, sys, time
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 
 
@@ -255,13 +255,21 @@ def run(rank, port, subgroup):
     if subgroup:  # a group Python still holds after destroy_process_group: shut down again at exit
         SUBGROUP = dist.new_group([0, 1])
         dist.all_reduce(torch.ones(4), group=SUBGROUP)
-    dist.all_reduce(t)
     dist.send(t, 1 - rank) if rank == 0 else dist.recv(t, 0)  # a TCP connection on every path
+    # last: rank 0 leaves only once rank 1's receive is done (a receive still waiting when the
+    # store's host exits asks the store whether rank 0 is gone, and torch's client logs the failure)
+    dist.all_reduce(t)
     assert t[0].item() == 2.0
     if rank == 0:
         dist.destroy_process_group()
         return  # and the process exits, taking the store down
-    time.sleep(1.5)
+    deadline = time.time() + 60  # until rank 0's process has exited (its store refuses)
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            break
+        time.sleep(0.1)
     dist.destroy_process_group()
     print("rank 1 destroyed", flush=True)
 
