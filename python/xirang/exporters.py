@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .report.records import PHASES, unattributed
@@ -135,6 +136,9 @@ class _Collector:
         yield wait
 
 
+_REGISTERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # registry -> its xirang Aggregator
+
+
 def start_prometheus(port: Optional[int] = None, process_group=None, addr: str = "0.0.0.0",
                      registry: Any = None, fetch: Optional[Callable[[], List[dict]]] = None) -> Aggregator:
     """Serve this rank's xirang metrics over HTTP for Prometheus.
@@ -143,7 +147,8 @@ def start_prometheus(port: Optional[int] = None, process_group=None, addr: str =
     HTTP server (the metrics are only registered in ``registry``).
     Records are read at each scrape. Returns the Aggregator behind the metrics. Raises
     ValueError for a port outside 0..65535 or an XIRANG_PROMETHEUS_PORT that is not an integer
-    (naming it), before anything is registered.
+    (naming it), and for a second call with the same registry (every metric family would be
+    served twice), before anything is registered; OSError for a port in use.
     """
     try:
         import prometheus_client
@@ -167,11 +172,15 @@ def start_prometheus(port: Optional[int] = None, process_group=None, addr: str =
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"xirang.exporters.start_prometheus: port must be an int in 0..65535 (0: no HTTP server), "
                          f"got {port!r}{where}")
-    agg = Aggregator(process_group, fetch)
     reg = registry if registry is not None else prometheus_client.REGISTRY
-    reg.register(_Collector(agg))
-    if port > 0:
+    if reg in _REGISTERED:  # a second collector would serve every metric family twice
+        raise ValueError("xirang.exporters.start_prometheus: xirang's metrics are already registered in this "
+                         "registry (call it once per process; pass registry= for a second set)")
+    agg = Aggregator(process_group, fetch)
+    if port > 0:  # first: a port in use (OSError) leaves nothing registered
         prometheus_client.start_http_server(port, addr=addr, registry=reg)
+    reg.register(_Collector(agg))
+    _REGISTERED[reg] = agg
     return agg
 
 

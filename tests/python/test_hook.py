@@ -91,6 +91,25 @@ def test_user_layers_and_wrappers():
     assert [x["layers"] for x in _state(one, layers_per_group=1).groups] == [["0.ln"], ["0.fc"]]
 
 
+def test_user_layers_that_are_not_the_models_modules_raise():
+    m = hw.TinyLM()
+    with pytest.raises(TypeError, match=r"layers\[1\] is a str, not an nn.Module"):
+        _state(m, layers=[m.blocks[0], "blocks.1"])
+    with pytest.raises(TypeError, match=r"layers\[0\] is a Parameter"):
+        _state(m, layers=[m.pos])
+    for bad in ("blocks", m.blocks[0], 3):
+        with pytest.raises(TypeError, match="layers= must be a sequence of nn.Module"):
+            _state(m, layers=bad)
+    other = hw.TinyLM()  # another model's block: its parameters would all go to the last group
+    with pytest.raises(ValueError, match=r"layers\[2\] \(Block\) holds none of the model's parameters"):
+        _state(m, layers=[m.blocks[0], m.blocks[1], other.blocks[2]])
+    # accepted: a ModuleList, a module without parameters, a layer whose parameters are frozen
+    m.blocks[5].requires_grad_(False)
+    st = _state(m, layers=m.blocks, layers_per_group=1)
+    assert [x["layers"] for x in st.groups][:5] == [[f"blocks.{i}"] for i in range(5)]
+    assert len(_state(m, layers=[nn.ReLU(), *m.blocks], layers_per_group=1).groups) == 6
+
+
 def _coarse_warnings(caplog, model, **kw):
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="xirang"):

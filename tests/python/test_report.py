@@ -670,6 +670,23 @@ def test_prometheus_bad_ports_are_clear_errors(monkeypatch, port, env, match):
     assert list(reg._collector_to_names) == []
 
 
+def test_prometheus_second_start_in_one_registry_raises():
+    """Found by a new user: a second call registered a second collector, and every scrape then
+    served each metric family twice (Prometheus rejects such a scrape)."""
+    prom = pytest.importorskip("prometheus_client", reason="prometheus_client not installed (optional)")
+    from xirang import exporters
+
+    reg = prom.CollectorRegistry()
+    exporters.start_prometheus(port=0, registry=reg, fetch=lambda: [_rec(0, 1, 2, total=0.5)])
+    with pytest.raises(ValueError, match="already registered in this registry"):
+        exporters.start_prometheus(port=0, registry=reg, fetch=lambda: [_rec(0, 1, 2, total=0.5)])
+    text = prom.generate_latest(reg).decode()
+    assert text.count("# TYPE xirang_ops_total counter") == 1, text
+    other = prom.CollectorRegistry()  # another registry takes its own set
+    exporters.start_prometheus(port=0, registry=other, fetch=lambda: [_rec(0, 1, 2, total=0.5)])
+    assert 'xirang_ops_total{group="2",op="allreduce_bf16_ef",pg="0"} 1.0' in prom.generate_latest(other).decode()
+
+
 def test_exporters_missing_packages_say_what_to_install(monkeypatch):
     import builtins
 
@@ -754,6 +771,24 @@ def test_run_index_out_of_range_is_a_clear_error(tmp_path, run):
     assert p.stderr.strip().splitlines() == [f"xirang.report: no run {run!r}; runs: (no run id)"], p.stderr
     p = _report_cli(str(f), "-o", str(tmp_path / "r.html"), "--run", "0")
     assert p.returncode == 0, p.stderr
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    """Found by a new user: a stats directory without rank2.jsonl (a rank on a host whose files
+    were not copied) gave a report of 3 ranks out of 4 without a word."""
+    from xirang.report.cli import build
+
+    for rank in (0, 1, 3):
+        (tmp_path / f"rank{rank}.jsonl").write_text(
+            "".join(json.dumps(_rec(rank, s, world_size=4)) + "\n" for s in (1, 2)))
+    _, _, warns = build(str(tmp_path))
+    assert [w for w in warns if "no records from" in w] == [
+        "no records from rank(s) 2 of 4 in '(no run id)' (rank<N>.jsonl missing or empty): the figures "
+        "cover the other ranks only"], warns
+    (tmp_path / "rank2.jsonl").write_text(json.dumps(_rec(2, 1, world_size=4)) + "\n")
+    assert not [w for w in build(str(tmp_path))[2] if "no records from" in w]
+    # one rank's file given on its own: the other ranks are not expected
+    assert not [w for w in build(str(tmp_path / "rank0.jsonl"))[2] if "no records from" in w]
 
 
 def test_unreadable_lines_are_counted(tmp_path):

@@ -122,6 +122,21 @@ def check_sparse(root: nn.Module, ddp) -> None:
         )
 
 
+def _check_user_layers(layers, model_params: Dict[int, str]) -> None:
+    """``layers=``: modules of the model, in the order they count. Raises TypeError for an
+    element that is not an ``nn.Module`` (a name, a parameter) and ValueError for a module whose
+    parameters are none of the model's (another model's module: its parameters would silently
+    go to the group of parameters in no layer)."""
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not an nn.Module: pass the "
+                            f"model's layer modules, e.g. layers=[*model.blocks]")
+        ps = list(layer.parameters())
+        if ps and not any(id(p) in model_params for p in ps):
+            raise ValueError(f"layers[{i}] ({type(layer).__name__}) holds none of the model's "
+                             f"parameters: pass modules of the model the hook is registered on")
+
+
 def build_groups(root: nn.Module, ddp, user_layers: Optional[Sequence[nn.Module]],
                  layers_per_group: Optional[int], min_compress_numel: int,
                  warn: bool = True) -> Tuple[Dict[int, Slot], List[Group]]:
@@ -148,6 +163,8 @@ def build_groups(root: nn.Module, ddp, user_layers: Optional[Sequence[nn.Module]
     }
     mod_names = {id(m): (n or "<root>") for n, m in root.named_modules()}
     layers = user_layers if user_layers is not None else default_layers(root)
+    if user_layers is not None:
+        _check_user_layers(layers, names)
 
     owner: Dict[int, int] = {}  # id(param) -> layer position (among layers with params)
     layer_params: List[List[nn.Parameter]] = []

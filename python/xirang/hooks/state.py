@@ -134,7 +134,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             :func:`default_layers` (one layer per block: GPT-2's ``transformer.h.i``, Llama's
             ``model.layers.i``, BERT's ``encoder.layer.i``, a ResNet's ``layerK.j``, ...). A tied
             parameter belongs to the first layer holding it; parameters in no layer form one
-            extra group, the last.
+            extra group, the last. TypeError for something other than a sequence of modules,
+            ValueError for a module that holds none of the model's parameters.
         min_compress_numel: fp32 tensors with ``ndim >= 2`` and at least this many elements
             go through the compressed ring; the rest go through the plain ring in their own
             dtype (fp64 stays fp64, bf16/fp16 are not compressed again). Default
@@ -255,6 +256,9 @@ class BF16ErrorFeedbackState(Checkpointing):
         self.measure_readiness = bool(measure_readiness)
         self.early_launch = bool(early_launch)
         self.local_average = bool(local_average)
+        if layers is not None and (isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__")):
+            raise TypeError(f"layers= must be a sequence of nn.Module (e.g. [*model.blocks]), got "
+                            f"{type(layers).__name__}")
         self._user_layers = list(layers) if layers is not None else None
         self.process_group = process_group
         self._init_runtime()

@@ -35,6 +35,13 @@ def build(path: str, run: Optional[str] = None) -> Tuple[List[dict], Dict[str, A
         name, chosen = hit[-1]
     if len(runs) > 1:
         warns.append(f"{len(runs)} runs in the input ({', '.join(names)}); showing {name!r} (--run to choose)")
+    if os.path.isdir(path):
+        ws = max((r["world_size"] for r in chosen if r.get("pg") == "0" and isinstance(r.get("world_size"), int)),
+                 default=0)
+        missing = sorted(set(range(ws)) - {r.get("global_rank") for r in chosen})
+        if missing:
+            warns.append(f"no records from rank(s) {', '.join(map(str, missing))} of {ws} in {name!r} "
+                         "(rank<N>.jsonl missing or empty): the figures cover the other ranks only")
     return chosen, analyze(chosen, names, name), warns
 
 
