@@ -488,14 +488,31 @@ uint64_t Membership::join() {
   env::log(env::Level::Warn, rank_,
            "spare waiting to take rank " + std::to_string(rank_) + "'s place (admitted at a step boundary)");
   const std::string jk = elastic::joinedKey(prefix_, rank_);
+  // A live rank holding this rank's number (its heartbeat counter advances) is never replaced:
+  // say so at once, and in the timeout's error, rather than waiting in silence.
+  const std::string hk = elastic::heartbeatKey(prefix_, rank_);
+  const int64_t beat0 = store_->add(hk, 0);
+  auto next_look = t0 + std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 2000));
+  bool alive = false;
   std::string joined;
   while (true) {
     if (store_->check(jk)) {
       joined = store_->get(jk, deadline);
       if (joined.compare(0, nonce.size() + 1, nonce + " ") == 0) break;
     }
+    if (!alive && Clock::now() >= next_look) {
+      next_look = Clock::now() + std::chrono::milliseconds(500);
+      alive = store_->add(hk, 0) >= beat0 + 2;
+      if (alive)
+        env::log(env::Level::Warn, rank_,
+                 "rank " + std::to_string(rank_) + " is alive (its heartbeat advances): a spare takes a lost rank's " +
+                     "place, so this one is admitted only after rank " + std::to_string(rank_) + " is lost");
+    }
     XR_CHECK(rank_, Clock::now() < deadline, "the spare was not admitted within the group timeout (",
-             cfg_.timeout.count(), " ms): the live ranks admit spares at step boundaries with xirang.admit_joiners()");
+             cfg_.timeout.count(), " ms): ",
+             alive ? "rank " + std::to_string(rank_) + " is alive (its heartbeat advanced while this spare waited); start "
+                                                       "a spare with the RANK of a rank that was lost"
+                   : std::string("the live ranks admit spares at step boundaries with xirang.admit_joiners()"));
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::istringstream in(joined.substr(nonce.size() + 1));

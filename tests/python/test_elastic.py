@@ -448,6 +448,59 @@ def test_spare_rejoins_at_step_40():
     assert torch.equal(sp["params"], res[0]["params"]), "the spare's parameters differ from rank 0's"
 
 
+# ---------------------------------------------------------------- a spare for a rank that is alive
+def w_live_until_the_spare_gave_up():
+    dist.all_reduce(torch.ones(4))
+    # polled: a blocking wait would hold the store client the heartbeat thread also uses
+    while not mp_pool.W.store.check(["spare_done"]):
+        time.sleep(0.1)
+    return dist.get_rank()
+
+
+def live_rank_spare_main(port: int, prefix: str) -> None:
+    """A spare started (XIRANG_JOIN=1) with RANK 1 while rank 1 is alive; prints its error."""
+    import datetime
+
+    _xirang()
+    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    store = dist.PrefixStore(prefix, base)
+    t0 = time.perf_counter()
+    try:
+        dist.init_process_group("xirang", store=dist.PrefixStore("default_pg", store), rank=1, world_size=2,
+                                timeout=datetime.timedelta(seconds=6))
+        print("ERROR: admitted", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"spare error after {time.perf_counter() - t0:.1f} s: {e}", flush=True)
+    store.set("spare_done", "1")
+
+
+def test_a_spare_for_a_live_rank_says_that_rank_is_alive():
+    """Found by a new user: a spare started with the RANK of a live rank waited the whole group
+    timeout and then said only that the live ranks admit spares with admit_joiners()."""
+    import subprocess
+    import sys
+
+    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="0.5")
+    with mp_pool.Pool(2, "xirang", timeout_s=60, env=env) as pool:
+        here = os.path.dirname(os.path.abspath(__file__))
+        spare = subprocess.Popen(
+            [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_elastic as t; "
+             f"t.live_rank_spare_main({pool.store.port}, {pool.prefix!r})"],
+            env=dict(os.environ, XIRANG_JOIN="1", OMP_NUM_THREADS="1", **env), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            res = pool.run(w_live_until_the_spare_gave_up, timeout=120)
+            out, err = spare.communicate(timeout=60)
+        finally:
+            if spare.poll() is None:
+                spare.kill()
+    assert res == [0, 1]
+    assert "ERROR" not in out and "spare error after" in out, out + err
+    assert "rank 1 is alive (its heartbeat advanced while this spare waited)" in out, out + err
+    assert "start a spare with the RANK of a rank that was lost" in out, out + err
+    assert "rank 1 is alive (its heartbeat advances)" in err, err
+
+
 # ---------------------------------------------------------------- a mismatch is a bug, not a failure
 def w_mismatch_elastic():
     dist.barrier()
