@@ -86,6 +86,18 @@ class StoreAdapter : public transport::Store {
   std::string first_error_;  // the network error that made it unreachable
 };
 
+// An elastic group's own connection to the store, where the store can clone one: torch's client
+// runs one call at a time, so a Python store.wait() of minutes on the group's store (a rank
+// waiting for another's checkpoint) would hold this rank's heartbeats, and its peers would take it
+// for lost. A store that cannot clone (a Python store) is shared.
+c10::intrusive_ptr<c10d::Store> ownConnection(const c10::intrusive_ptr<c10d::Store>& s) {
+  try {
+    if (auto c = s->clone()) return c;
+  } catch (const std::exception&) {
+  }
+  return s;
+}
+
 // Profiler range names must outlive the RecordFunction that points at them: intern them.
 const char* groupTitle(int64_t group_id) {
   if (group_id < 0) return "xirang:allreduce_ef";
@@ -125,7 +137,7 @@ ProcessGroupXirang::ProcessGroupXirang(const c10::intrusive_ptr<c10d::Store>& st
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
-  store_ = std::make_shared<StoreAdapter>(store);
+  store_ = std::make_shared<StoreAdapter>(cfg_.elastic ? ownConnection(store) : store);
   if (cfg_.generation.empty())
     cfg_.generation = agreeGeneration(store, rank, size, cfg_.timeout, cfg_.join, cfg_.group_name);
   // Before anything starts a thread: a CUDA transport that cannot work fails the creation here.

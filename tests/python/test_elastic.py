@@ -9,6 +9,7 @@ the others take the default (shared memory between these same-host ranks, rebuil
 """
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import tempfile
@@ -499,6 +500,35 @@ def test_a_spare_for_a_live_rank_says_that_rank_is_alive():
     assert "rank 1 is alive (its heartbeat advanced while this spare waited)" in out, out + err
     assert "start a spare with the RANK of a rank that was lost" in out, out + err
     assert "rank 1 is alive (its heartbeat advances)" in err, err
+
+
+# ---------------------------------------------------------------- a long store.wait is not a lost rank
+def w_long_store_wait():
+    X = _xirang()
+    dist.all_reduce(torch.ones(4))
+    before = X.membership()
+    if dist.get_rank() == 0:  # blocks the group's store client for 6 heartbeats
+        try:
+            mp_pool.W.store.wait(["never_set"], datetime.timedelta(seconds=3))
+        except Exception:  # noqa: BLE001  (the wait's timeout)
+            pass
+    else:
+        time.sleep(3.5)
+    t = torch.full((4,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    return dict(before=before, after=X.membership(), sum=t.tolist())
+
+
+def test_a_long_store_wait_on_the_groups_store_is_not_a_lost_rank():
+    """torch's store client runs one call at a time: while rank 0's Python waited on the group's
+    store, its heartbeats waited too, and rank 1 took it for lost after the heartbeat timeout. An
+    elastic group has its own connection to the store."""
+    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="0.5")
+    with mp_pool.Pool(2, "xirang", timeout_s=60, env=env) as pool:
+        res = pool.run(w_long_store_wait, timeout=120)
+    for r in range(2):
+        assert res[r]["sum"] == [3.0] * 4, res[r]
+        assert res[r]["after"]["live"] == [0, 1] and res[r]["after"]["epoch"] == res[r]["before"]["epoch"], res[r]
 
 
 # ---------------------------------------------------------------- a mismatch is a bug, not a failure
