@@ -422,6 +422,8 @@ BAD_ARGS = [
     (["--recommend", "--tp", "3"], "--recommend"), (["--paper", "--gpus-per-host", "6"], "--paper, 8 GPUs"),
     (["--oversub", "1e308"], "overflow"), (["--params", "1e307"], "overflow"), (["--mfu", "1e-320"], "overflow"),
     (["--paper", "--oversub", "1e308"], "overflow"),
+    (["--gpus", "16777216"], "--gpus must be <= 1048576"), (["--layers", "1000000"], "--layers must be <= 100000"),
+    (["--microbatches", "1000000"], "--microbatches must be <= 100000"),
 ]
 
 

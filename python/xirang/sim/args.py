@@ -78,9 +78,15 @@ _LIMITS = [("params", 0, True), ("layers", 1, True), ("tp", 1, True), ("pp", 1, 
            ("cores_per_host", 0, True), ("group", 1, True), ("bucket_mb", 0, True), ("cores", 0, True)]
 
 
+# counts the simulation walks one by one: beyond these a run takes minutes and gigabytes (2^24
+# GPUs: 41 s, 3 GB); 2^20 GPUs and 10^5 layers are past any cluster or model built so far
+_MAX = {"gpus": 1 << 20, "layers": 100_000, "microbatches": 100_000}
+
+
 def check_args(a) -> Optional[str]:
     """The first argument out of range as a one-line message ("--gpus must be >= 1, got 0"), or None.
-    Counts are >= 1, rates and sizes > 0, latencies and overheads >= 0, --mfu in (0, 1], all finite."""
+    Counts are >= 1, rates and sizes > 0, latencies and overheads >= 0, --mfu in (0, 1], all finite;
+    --gpus at most 2^20, --layers and --microbatches at most 10^5."""
     for name, low, inclusive in _LIMITS:
         v = getattr(a, name, None)
         if v is None:
@@ -88,6 +94,8 @@ def check_args(a) -> Optional[str]:
         flag = "--" + name.replace("_", "-")
         if not math.isfinite(v) or v < low or (v == low and not inclusive):
             return f"{flag} must be {'>=' if inclusive else '>'} {low}, got {v:g}"
+        if name in _MAX and v > _MAX[name]:
+            return f"{flag} must be <= {_MAX[name]}, got {v:g}"
     if a.mfu > 1:
         return f"--mfu is a fraction of peak, in (0, 1], got {a.mfu:g}"
     return None
