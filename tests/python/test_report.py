@@ -539,6 +539,25 @@ def test_runs_split_on_seq_restart_and_steps(tmp_path):
     page = report.render_html(chosen, a)
     check_page(page)
     assert report.embedded_data(page)["records"] == chosen
+    assert report.embedded_data(page)["records_total"] == len(chosen)
+
+
+def test_many_records_are_not_embedded(monkeypatch, tmp_path):
+    """Found by a new user: the page embedded every record (a 121 MB stats directory made a
+    1.38 GB page). Above the cap the page keeps the analysis and says the records were left out."""
+    from xirang import report
+    from xirang.report import html as rhtml
+
+    recs = [_rec(r, s, gid=s % 2) for s in range(1, 9) for r in range(2)]
+    a = report.analyze(recs, ["(no run id)"], "(no run id)")
+    monkeypatch.setattr(rhtml, "MAX_EMBEDDED_RECORDS", len(recs) - 1)
+    page = report.render_html(recs, a)
+    data = report.embedded_data(page)
+    assert data["records"] == [] and data["records_total"] == len(recs)
+    assert data["analysis"] == json.loads(json.dumps(a))
+    assert f"({len(recs)} records: more than {len(recs) - 1}, so the page embeds the analysis only" in page
+    monkeypatch.setattr(rhtml, "MAX_EMBEDDED_RECORDS", len(recs))
+    assert report.embedded_data(report.render_html(recs, a))["records"] == recs
 
 
 def test_slowest_metric_on_synthetic_ring():

@@ -6,7 +6,8 @@
 
 The page needs no network: the plotting code (a few hundred lines of SVG drawing) is inlined and
 the data travel in ``<script type="application/json" id="xirang-data">`` (``records``: every
-record of the run shown, as read; ``analysis``: what the plots show).
+record of the run shown, as read, up to ``html.MAX_EMBEDDED_RECORDS`` (50,000; more are left out);
+``records_total``: their number; ``analysis``: what the plots show).
 
 What is derived, and how
 - Runs. Records are grouped by ``run_id``; without one, a new run starts in a rank's file when

@@ -88,5 +88,5 @@ table('t-links',['link','ops','bytes','sender send time','receiver recv time','t
   A.links.map(function(l){return [l.src+' -> '+l.dst+(A.links.indexOf(l)===li?' (slowest)':''),l.ops,fmtB(l.bytes),fmtS(l.send_s),fmtS(l.recv_wait_s),fmtS(l.transfer_s),
     l.slowness?l.slowness.toFixed(2)+'x':'-',l.throughput_Bps?(l.throughput_Bps/1e9).toFixed(3)+' GB/s':'-'];}),li<0?null:li);
 status.setAttribute('data-state','ok');status.setAttribute('data-charts',String(charts));
-status.textContent='rendered '+charts+' charts from '+D.records.length+' records';
+status.textContent='rendered '+charts+' charts from '+D.records_total+' records';
 })();

@@ -21,11 +21,23 @@ def _json_for_script(obj: Any) -> str:
     return s.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
+# The plots draw the analysis only; the records ride along for whoever reads the page's data.
+# Beyond this many (about 0.5 kB each) they stay out: a 121 MB stats directory made a 1.38 GB page.
+MAX_EMBEDDED_RECORDS = 50_000
+
+
 def render_html(records: List[dict], analysis: Dict[str, Any]) -> str:
-    """The dashboard page: no external resource; data in #xirang-data, drawn by inline JS."""
+    """The dashboard page: no external resource; data in #xirang-data, drawn by inline JS.
+    ``records`` are embedded when there are at most :data:`MAX_EMBEDDED_RECORDS` of them, else
+    none (``records_total`` gives the count either way, and the page says they were left out)."""
     title = f"xirang communication breakdown: {analysis['run']['name']}"
     summary = "\n".join(analysis["summary"])
-    data = _json_for_script({"records": records, "analysis": analysis})
+    n = len(records)
+    if n > MAX_EMBEDDED_RECORDS:
+        summary += (f"\n({n} records: more than {MAX_EMBEDDED_RECORDS}, so the page embeds the analysis only; "
+                    "the records stay in the stats directory)")
+    data = _json_for_script({"records": records if n <= MAX_EMBEDDED_RECORDS else [], "records_total": n,
+                             "analysis": analysis})
     e = html.escape
     runs = ", ".join(analysis["run"]["runs_available"])
     return f"""<!DOCTYPE html>
