@@ -421,18 +421,22 @@ def spare_main(port: int, prefix: str, rank: int, world_size: int, out: str) -> 
     dist.destroy_process_group()
 
 
-def test_spare_rejoins_at_step_40():
+def _start_spare(call: str, env: dict, **popen):
+    """A spare's process (XIRANG_JOIN=1) running ``test_elastic.<call>``."""
     import subprocess
     import sys
 
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_elastic as t; t.{call}"],
+        env=dict(os.environ, XIRANG_JOIN="1", OMP_NUM_THREADS="1", **env), start_new_session=True, **popen)
+
+
+def test_spare_rejoins_at_step_40():
     out = os.path.join(tempfile.mkdtemp(prefix="xrspare"), "spare.pt")
     env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="1.0")
     with mp_pool.Pool(4, "xirang", timeout_s=60, env=env) as pool:
-        here = os.path.dirname(os.path.abspath(__file__))
-        spare = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_elastic as t; "
-             f"t.spare_main({pool.store.port}, {pool.prefix!r}, 2, 4, {out!r})"],
-            env=dict(os.environ, XIRANG_JOIN="1", OMP_NUM_THREADS="1", **env), start_new_session=True)
+        spare = _start_spare(f"spare_main({pool.store.port}, {pool.prefix!r}, 2, 4, {out!r})", env)
         try:
             res = pool.run(w_ddp_rejoin, allow_exit=[2], timeout=240)
             assert spare.wait(timeout=120) == 0, "the spare failed"
@@ -479,16 +483,11 @@ def test_a_spare_for_a_live_rank_says_that_rank_is_alive():
     """Found by a new user: a spare started with the RANK of a live rank waited the whole group
     timeout and then said only that the live ranks admit spares with admit_joiners()."""
     import subprocess
-    import sys
 
     env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="0.5")
     with mp_pool.Pool(2, "xirang", timeout_s=60, env=env) as pool:
-        here = os.path.dirname(os.path.abspath(__file__))
-        spare = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_elastic as t; "
-             f"t.live_rank_spare_main({pool.store.port}, {pool.prefix!r})"],
-            env=dict(os.environ, XIRANG_JOIN="1", OMP_NUM_THREADS="1", **env), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, start_new_session=True)
+        spare = _start_spare(f"live_rank_spare_main({pool.store.port}, {pool.prefix!r})", env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             res = pool.run(w_live_until_the_spare_gave_up, timeout=120)
             out, err = spare.communicate(timeout=60)
