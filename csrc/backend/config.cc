@@ -31,6 +31,11 @@ Comm configure(int rank, int size, const XirangConfig& cfg, std::string& algo) {
   comm.small_bytes = env::getInt("XIRANG_SMALL_BYTES");
   TORCH_CHECK(comm.segment_bytes >= 4096, "xirang: XIRANG_SEGMENT_BYTES=", comm.segment_bytes,
               " is too small (at least 4096 bytes; default ", env::knob("XIRANG_SEGMENT_BYTES").default_value, ")");
+  // Scratch buffers are a segment each, whatever the message: 64 GiB made every op fail with
+  // std::bad_alloc after the group was created.
+  TORCH_CHECK(comm.segment_bytes <= (int64_t{1} << 28), "xirang: XIRANG_SEGMENT_BYTES=", comm.segment_bytes,
+              " is too large (at most 268435456 bytes = 256 MiB; default ",
+              env::knob("XIRANG_SEGMENT_BYTES").default_value, ")");
   TORCH_CHECK(comm.small_bytes >= 0, "xirang: XIRANG_SMALL_BYTES=", comm.small_bytes, " must be >= 0");
   algo = cfg.algorithm == "auto" ? env::get("XIRANG_ALGO") : cfg.algorithm;
   if (algo == "ring") comm.algo = Comm::Algo::Ring;

@@ -120,7 +120,11 @@ std::vector<int64_t> alltoallRows(int rank, int size, const at::Tensor& t, const
   XR_CHECK(rank, static_cast<int>(splits.size()) == size, "alltoall_base: ", which, " splits have ", splits.size(),
            " entries, expected ", size);
   int64_t sum = 0;
-  for (auto v : splits) sum += v;
+  for (size_t i = 0; i < splits.size(); ++i) {  // bounded, so the sum cannot overflow
+    XR_CHECK(rank, splits[i] >= 0 && splits[i] <= dim0, "alltoall_base: ", which, " split ", i, " is ", splits[i],
+             ": splits must be in 0..", dim0, " (dim 0)");
+    sum += splits[i];
+  }
   XR_CHECK(rank, sum == dim0, "alltoall_base: ", which, " splits sum to ", sum, ", dim 0 is ", dim0);
   return splits;
 }

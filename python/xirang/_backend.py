@@ -238,8 +238,6 @@ def create(dist_backend_opts, backend_options):
     try:
         C.env_log_level()  # XIRANG_DEBUG: WARN, INFO or TRACE
         elastic = C.env_bool("XIRANG_ELASTIC") if opts.elastic is None else opts.elastic
-        if join and not elastic:
-            raise ValueError("XIRANG_JOIN=1 (a spare taking a dead rank's place) needs elastic mode (XIRANG_ELASTIC=1)")
         heartbeat_s = opts.heartbeat_s
         if heartbeat_s is None:
             heartbeat_s = C.env_double("XIRANG_HEARTBEAT_S")
@@ -268,6 +266,9 @@ def create(dist_backend_opts, backend_options):
             raise
         problem = e
 
+    if join and (problem is not None or not elastic):  # a spare fails alone and at once: no group waits for it
+        raise problem or ValueError("XIRANG_JOIN=1 (a spare taking a dead rank's place) needs elastic mode "
+                                    "(XIRANG_ELASTIC=1)")
     # This creation's generation: every store key of the group lives under it, so a store that
     # outlives an earlier creation (torchrun's restarts) never hands this one that one's keys.
     generation = C.generation(store, rank, size, timeout, join, group_name)

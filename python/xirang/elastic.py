@@ -36,7 +36,10 @@ def on_membership_change(fn: Optional[Callable[[dict], Any]], process_group=None
     fn runs on xirang's communication thread, with the GIL, before the group's next operation:
     keep it short (e.g. record the live ranks so the data loader re-shards at the next step) and
     issue no collectives from it. Its exceptions are reported as unraisable. ``None`` removes it.
+    TypeError for something else that is not callable.
     """
+    if fn is not None and not callable(fn):
+        raise TypeError(f"on_membership_change: fn must be callable or None, got {type(fn).__name__}")
     backend_for(process_group).set_membership_callback(fn)
 
 

@@ -551,3 +551,9 @@ def test_mismatch_fails_every_rank_in_elastic_mode():
         assert not e.isinstance_of("MembershipChanged"), f"rank {r}: {e}"
         assert "mismatch" in str(e), f"rank {r}: {e}"
         assert res[r]["elapsed"] < 10.0
+
+
+def test_on_membership_change_takes_a_callable():
+    """Found by a new user: a non-callable was taken, to fail later as an unraisable exception."""
+    with pytest.raises(TypeError, match="fn must be callable or None, got int"):
+        _xirang().on_membership_change(5)

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import sys
 import tempfile
 import warnings
@@ -97,6 +98,10 @@ def test_user_layers_that_are_not_the_models_modules_raise():
         _state(m, layers=[m.blocks[0], "blocks.1"])
     with pytest.raises(TypeError, match=r"layers\[0\] is a Parameter"):
         _state(m, layers=[m.pos])
+    with pytest.raises(ValueError, match="layers= is empty"):
+        _state(m, layers=[])
+    with pytest.raises(ValueError, match="min_compress_numel must be an int >= 1, got True"):
+        _state(m, min_compress_numel=True)
     for bad in ("blocks", m.blocks[0], 3):
         with pytest.raises(TypeError, match="layers= must be a sequence of nn.Module"):
             _state(m, layers=bad)
@@ -527,6 +532,28 @@ def test_ws1_state_dict_roundtrip_and_pickle(ws1_group):
     st3.bind(model2)
     for k, v in st3.residuals.items():
         assert torch.equal(v, sd["residuals"][k])
+
+    # found by a new user: a failed load had already overwritten the counters and zeroed the
+    # residuals; a NaN residual was taken, and every later step was non-finite and skipped
+    before = {k: v.clone() for k, v in st2.state_dict()["residuals"].items()}
+    name = next(iter(sd["residuals"]))
+    for change, exc, match in [
+        (dict(steps=999, residuals=dict(sd["residuals"], **{name: torch.zeros(5)})), ValueError,
+         f"residual for {name} has 5 elements"),
+        (dict(residuals=dict(sd["residuals"], **{name: torch.full_like(sd["residuals"][name], float("nan"))})),
+         ValueError, f"residual for '{name}' holds non-finite values"),
+        (dict(residuals={name: [0.0] * 4}), TypeError, f"residual for '{name}' must be a floating-point tensor, got list"),
+        (dict(steps=None), TypeError, "steps must be an int >= 0, got NoneType None"),
+        (dict(skipped_steps=-1), TypeError, "skipped_steps must be an int >= 0"),
+        (dict(residuals=[1]), TypeError, "residuals must be a dict"),
+    ]:
+        with pytest.raises(exc, match=re.escape(match)):
+            st2.load_state_dict(dict(sd, **change))
+        assert st2.steps == 3
+        after = st2.state_dict()["residuals"]
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with pytest.raises(TypeError, match="expected the dict state_dict"):
+        st2.load_state_dict([sd])
 
     bad = dict(sd, world_size=4, ring_order=[0, 1, 2, 3])
     st4 = hooks.BF16ErrorFeedbackState(hw.TinyLM(), layers_per_group=2)

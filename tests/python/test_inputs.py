@@ -302,3 +302,27 @@ def test_xirang_and_gloo_groups_in_same_workers(backend, ws, pool):
         pytest.skip("needs both groups")
     for r, out in enumerate(pool.run(w_same_inputs_both_groups)):
         torch.testing.assert_close(out["xirang"], out["gloo"], rtol=1e-6, atol=1e-6, msg=f"rank {r}")
+
+
+# ---------------------------------------------------------------- all_to_all_single: a negative split
+def w_negative_split(splits_by_rank):
+    splits = splits_by_rank[rank()]
+    out, inp = torch.empty(4), torch.arange(4.0)
+    try:
+        dist.all_to_all_single(out, inp, splits, splits, group=mp_pool.group())
+        return out
+    except Exception as e:  # noqa: BLE001
+        return mp_pool.exc_info(e)
+
+
+@pytest.mark.parametrize("splits_by_rank", [[[-1, 5], [-1, 5]], [[5, -1], [2, 2]]], ids=["both", "rank0"])
+def test_negative_split_is_an_error_not_a_crash(splits_by_rank):
+    """Found by a new user: splits [-1, 5] (their sum is dim 0) crashed the process (SIGSEGV over
+    shared memory, heap corruption over TCP); gloo crashes on them too, so xirang alone here. A
+    rank whose own check fails raises at once; its peer at the timeout (README: argument errors)."""
+    with mp_pool.Pool(2, "xirang", timeout_s=5) as pool:
+        res = pool.run(w_negative_split, splits_by_rank, timeout=90)
+    errors_on_every_rank(res, r"splits must be|timed out", "negative split")
+    for r, splits in enumerate(splits_by_rank):
+        if min(splits) < 0:
+            assert re.search(r"input split 0 is (-1|5): splits must be in 0\.\.4", res[r].message), res[r].message

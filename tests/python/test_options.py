@@ -42,6 +42,7 @@ def test_options_timeout_accepts_timedelta_and_seconds():
 @pytest.mark.parametrize("knob,value,pattern", [
     ("XIRANG_SEGMENT_BYTES", "0", "XIRANG_SEGMENT_BYTES=0 is too small"),
     ("XIRANG_SEGMENT_BYTES", "abc", "XIRANG_SEGMENT_BYTES='abc' is not an integer"),
+    ("XIRANG_SEGMENT_BYTES", "68719476736", "XIRANG_SEGMENT_BYTES=68719476736 is too large (at most 268435456"),
     ("XIRANG_ALGO", "bogus", "must be auto, ring, direct or two_level"),
     ("XIRANG_ELASTIC", "maybe", "ValueError xirang: XIRANG_ELASTIC='maybe' is not a boolean: accepted values are "
                                 "1, true, yes, on and 0, false, no, off (case-insensitive)"),
@@ -75,6 +76,25 @@ def test_bad_knobs_fail_group_creation_clearly(knob, value, pattern):
         **{knob: value},
     )
     assert "ERROR" in out.stdout and pattern in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
+
+
+def test_a_spare_without_elastic_mode_fails_at_once():
+    """Found by a new user: XIRANG_JOIN=1 without XIRANG_ELASTIC waited the group timeout for a
+    live group to join, then said no group had published its generation."""
+    out = _run(
+        """
+        import time
+        t0 = time.perf_counter()
+        try:
+            dist.init_process_group("xirang", store=store, rank=1, world_size=2, timeout=datetime.timedelta(seconds=30))
+        except Exception as e:
+            print("ERROR", type(e).__name__, e, f"after {time.perf_counter() - t0:.1f} s")
+        """,
+        XIRANG_JOIN="1",
+    )
+    assert "ERROR ValueError XIRANG_JOIN=1 (a spare taking a dead rank's place) needs elastic mode" in out.stdout, \
+        (out.stdout[-2000:], out.stderr[-2000:])
+    assert float(out.stdout.split("after ")[1].split(" s")[0]) < 10, out.stdout
 
 
 @pytest.mark.parametrize("knob,value,elastic", [

@@ -762,6 +762,15 @@ def test_cli_errors_are_one_line(tmp_path):
     ("run_id", {"a": 1}, "field 'run_id' is {\"a\": 1}, expected text or an integer"),
     ("bytes_wire", True, "field 'bytes_wire' is true, expected an integer"),
     ("op", 5, "field 'op' is int, expected text"),
+    # found by a new user: 1e308 made the sums infinite (the page then failed), 10^12 ranks a list
+    # of 10^12, a negative duration a negative step time
+    ("total_s", 1e308, "field 'total_s' holds a number beyond 1e+15 in magnitude"),
+    ("total_s", -1.25, "field 'total_s' is -1.25, expected 0 to 1e+06"),
+    ("world_size", 10 ** 12, "field 'world_size' is 1000000000000, expected 1 to 1.67772e+07"),
+    ("global_rank", -3, "field 'global_rank' is -3, expected 0 to 1.67772e+07"),
+    ("bytes_wire", -8, "field 'bytes_wire' is -8, expected 0 to 4.61169e+18"),
+    ("seq", 10 ** 400, "field 'seq' holds a number beyond 1e+15 in magnitude"),
+    ("peers", [{"peer": 1, "send_s": 1e300}], "field 'peers' holds a number beyond 1e+15 in magnitude"),
 ])
 def test_records_with_fields_of_the_wrong_type_are_skipped(tmp_path, field, value, why):
     """A record that is JSON with an "op" but a field the analysis cannot use (found by a new user:
@@ -802,8 +811,14 @@ def test_a_missing_rank_file_is_named(tmp_path):
             "".join(json.dumps(_rec(rank, s, world_size=4)) + "\n" for s in (1, 2)))
     _, _, warns = build(str(tmp_path))
     assert [w for w in warns if "no records from" in w] == [
-        "no records from rank(s) 2 of 4 in '(no run id)' (rank<N>.jsonl missing or empty): the figures "
+        "no records from 1 of 4 ranks (2) in '(no run id)' (rank<N>.jsonl missing or empty): the figures "
         "cover the other ranks only"], warns
+    big = tmp_path / "big"  # a world of 2^24 ranks, 3 present: named without a list of them all
+    big.mkdir()
+    (big / "rank0.jsonl").write_text("".join(json.dumps(_rec(r, 1, world_size=1 << 24)) + "\n" for r in (0, 1, 3)))
+    assert [w for w in build(str(big))[2] if "no records from" in w] == [
+        f"no records from {(1 << 24) - 3} of {1 << 24} ranks (2, 4, 5, 6, 7, 8, 9, 10, ...) in '(no run id)' "
+        "(rank<N>.jsonl missing or empty): the figures cover the other ranks only"]
     (tmp_path / "rank2.jsonl").write_text(json.dumps(_rec(2, 1, world_size=4)) + "\n")
     assert not [w for w in build(str(tmp_path))[2] if "no records from" in w]
     # one rank's file given on its own: the other ranks are not expected

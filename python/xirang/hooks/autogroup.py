@@ -252,13 +252,14 @@ class AutoGroup:
         g = d.get("layers_per_group")
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"hook state_dict: autogroup layers_per_group must be a positive int, got {g!r}")
+        predictions = {int(k): float(v) for k, v in (d.get("predictions_s") or {}).items()}  # may raise: first
         self.chosen = g
         self.predicted_exposed_s = d.get("predicted_exposed_comm_s")
         self.alpha_s = d.get("alpha_s")
         self.beta_s_per_byte = d.get("beta_s_per_byte")
         self.contention = d.get("contention")
         self.slowdown = d.get("slowdown")
-        self.predictions = {int(k): float(v) for k, v in (d.get("predictions_s") or {}).items()}
+        self.predictions = predictions
         self.source = d.get("source")
         self.restored = True
         self.samples = []

@@ -57,18 +57,45 @@ class Checkpointing:
         residuals are kept and applied once it is. A ``layers_per_group="auto"`` state takes the
         saved choice (``autogroup``) and regroups to it without calibrating again; a state with a
         fixed size keeps its own (residuals are keyed by parameter name, so any grouping loads).
+
+        Everything is checked before anything changes: ``TypeError`` for a state that is not a
+        dict, counters that are not non-negative ints or a residual that is not a floating-point
+        tensor; ``ValueError`` for another version, a residual with non-finite values (every later
+        step would be non-finite: a residual only changes on a finite step) or one whose element
+        count is not its parameter's.
         """
+        if not isinstance(sd, dict):
+            raise TypeError(f"load_state_dict: expected the dict state_dict() returns, got {type(sd).__name__}")
         if sd.get("version") != STATE_DICT_VERSION:
             raise ValueError(f"unsupported hook state_dict version {sd.get('version')!r}")
+        counters = {}
+        for key in ("steps", "skipped_steps"):
+            v = sd.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise TypeError(f"load_state_dict: {key} must be an int >= 0, got {type(v).__name__} {v!r}")
+            counters[key] = v
+        residuals = sd.get("residuals", {})
+        if not isinstance(residuals, dict):
+            raise TypeError(f"load_state_dict: residuals must be a dict of name -> tensor, got {type(residuals).__name__}")
+        residuals = dict(residuals)
+        by_fqn = {s.fqn: s for s in self._slots.values()}
+        for fqn, t in residuals.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"load_state_dict: residual for {fqn!r} must be a floating-point tensor, got "
+                                f"{type(t).__name__}{'' if not isinstance(t, torch.Tensor) else ' ' + str(t.dtype)}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"load_state_dict: residual for {fqn!r} holds non-finite values (every later step "
+                                 "would be non-finite and skipped)")
+            s = by_fqn.get(fqn)
+            if s is not None and s.kind == "ef" and t.numel() != s.numel:
+                raise ValueError(f"residual for {fqn} has {t.numel()} elements, parameter has {s.numel}")
         ag = sd.get("autogroup")
         if self._auto is not None and ag is not None:
             self._auto.restore(ag)
             if self._root is not None:
                 self._build_groups(self._root, self._ddp, warn=False)
-        self.steps = int(sd.get("steps", 0))
-        self.skipped_steps = int(sd.get("skipped_steps", 0))
+        self.steps, self.skipped_steps = counters["steps"], counters["skipped_steps"]
         meta = {"world_size": sd.get("world_size"), "ring_order": sd.get("ring_order")}
-        residuals = dict(sd.get("residuals", {}))
         if self.world_size is None:
             self._pending_meta, self._pending_residuals = meta, residuals
             return

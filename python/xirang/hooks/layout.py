@@ -126,7 +126,10 @@ def _check_user_layers(layers, model_params: Dict[int, str]) -> None:
     """``layers=``: modules of the model, in the order they count. Raises TypeError for an
     element that is not an ``nn.Module`` (a name, a parameter) and ValueError for a module whose
     parameters are none of the model's (another model's module: its parameters would silently
-    go to the group of parameters in no layer)."""
+    go to the group of parameters in no layer), or for an empty list (use layers_per_group=None
+    for one group)."""
+    if len(layers) == 0:
+        raise ValueError("layers= is empty: pass the model's layer modules (layers_per_group=None makes one group)")
     for i, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
             raise TypeError(f"layers[{i}] is a {type(layer).__name__}, not an nn.Module: pass the "

@@ -245,7 +245,7 @@ class BF16ErrorFeedbackState(Checkpointing):
                                  f"{layers_per_group!r}")
         if not isinstance(wire, str) or wire not in WIRE_BYTES:
             raise ValueError(f"wire must be one of {', '.join(map(repr, WIRE_BYTES))}, got {wire!r}")
-        if not isinstance(min_compress_numel, int) or min_compress_numel < 1:
+        if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 1:
             raise ValueError(f"min_compress_numel must be an int >= 1, got {min_compress_numel!r}")
         self.layers_per_group: Union[int, None, str] = layers_per_group
         self._auto: Optional[AutoGroup] = (AutoGroup(auto_calibration_steps) if layers_per_group == "auto"

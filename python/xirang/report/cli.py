@@ -38,9 +38,17 @@ def build(path: str, run: Optional[str] = None) -> Tuple[List[dict], Dict[str, A
     if os.path.isdir(path):
         ws = max((r["world_size"] for r in chosen if r.get("pg") == "0" and isinstance(r.get("world_size"), int)),
                  default=0)
-        missing = sorted(set(range(ws)) - {r.get("global_rank") for r in chosen})
-        if missing:
-            warns.append(f"no records from rank(s) {', '.join(map(str, missing))} of {ws} in {name!r} "
+        present = {r.get("global_rank") for r in chosen}
+        n_missing = ws - sum(1 for g in present if isinstance(g, int) and 0 <= g < ws)
+        if n_missing:
+            first = []  # found within len(present) + 8 steps, whatever the world size
+            for g in range(ws):
+                if g not in present:
+                    first.append(str(g))
+                    if len(first) == 8:
+                        break
+            more = ", ..." if n_missing > len(first) else ""
+            warns.append(f"no records from {n_missing} of {ws} ranks ({', '.join(first)}{more}) in {name!r} "
                          "(rank<N>.jsonl missing or empty): the figures cover the other ranks only")
     return chosen, analyze(chosen, names, name), warns
 

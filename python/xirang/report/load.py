@@ -16,16 +16,27 @@ from .records import rank_of
 _INT_FIELDS = ("seq", "global_rank", "group_rank", "world_size", "group_id", "numel", "epoch")
 
 
+#: Ranges of the fields that sums and rank lists are made of: beyond them a record is garbled
+#: (1e308 seconds made the sums infinite; a world size of 10^12 a rank list of that length).
+_RANGES = {"global_rank": (0, 1 << 24), "group_rank": (0, 1 << 24), "world_size": (1, 1 << 24),
+           "group_id": (-1, 1 << 31), "seq": (0, 1 << 62), "numel": (0, 1 << 62), "epoch": (0, 1 << 62)}
+_MAX_SECONDS = 1e6  # an operation's phase (11 days)
+_MAX_ABS = 1e15  # any number, nested ones included (timestamps are ~1e9)
+
+
 def _field_problem(r: dict) -> str:
     """Why an operation record cannot be analysed (a field of the wrong type, a non-finite number
-    anywhere: the HTML embeds the records as JSON), or "" when it can."""
-    def finite(v: Any) -> bool:
+    anywhere: the HTML embeds the records as JSON; a number out of its range: a negative duration,
+    byte count or rank, a world size above 2^24, any magnitude above 1e15), or "" when it can."""
+    def finite(v: Any, bound: float = math.inf) -> bool:
+        if isinstance(v, int) and not isinstance(v, bool):  # exact: a huge int does not convert to float
+            return abs(v) <= bound
         if isinstance(v, float):
-            return math.isfinite(v)
+            return math.isfinite(v) and abs(v) <= bound
         if isinstance(v, dict):
-            return all(finite(x) for x in v.values())
+            return all(finite(x, bound) for x in v.values())
         if isinstance(v, list):
-            return all(finite(x) for x in v)
+            return all(finite(x, bound) for x in v)
         return True
 
     if not isinstance(r["op"], str):
@@ -43,6 +54,13 @@ def _field_problem(r: dict) -> str:
             return f"field {k!r} is {json.dumps(v)[:40]}, expected {want}"
         if not finite(v):
             return f"field {k!r} holds a non-finite number"
+        if not finite(v, _MAX_ABS):
+            return f"field {k!r} holds a number beyond {_MAX_ABS:g} in magnitude"
+        low, high = _RANGES.get(k, (0, 1 << 62) if k.startswith("bytes_") else (None, None))
+        if want == "a number" and k != "t_enqueue":
+            low, high = 0, _MAX_SECONDS
+        if low is not None and not low <= v <= high:
+            return f"field {k!r} is {v!r}, expected {low} to {high:g}"
     return ""
 
 
