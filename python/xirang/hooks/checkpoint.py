@@ -78,7 +78,6 @@ class Checkpointing:
         if not isinstance(residuals, dict):
             raise TypeError(f"load_state_dict: residuals must be a dict of name -> tensor, got {type(residuals).__name__}")
         residuals = dict(residuals)
-        by_fqn = {s.fqn: s for s in self._slots.values()}
         for fqn, t in residuals.items():
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise TypeError(f"load_state_dict: residual for {fqn!r} must be a floating-point tensor, got "
@@ -86,9 +85,7 @@ class Checkpointing:
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"load_state_dict: residual for {fqn!r} holds non-finite values (every later step "
                                  "would be non-finite and skipped)")
-            s = by_fqn.get(fqn)
-            if s is not None and s.kind == "ef" and t.numel() != s.numel:
-                raise ValueError(f"residual for {fqn} has {t.numel()} elements, parameter has {s.numel}")
+        self._check_residual_sizes(residuals)
         ag = sd.get("autogroup")
         if self._auto is not None and ag is not None:
             self._auto.restore(ag)
@@ -107,6 +104,7 @@ class Checkpointing:
             saved_ws == self.world_size
             and (saved_ring is None or tuple(saved_ring) == tuple(self.ring_order or ()))
         )
+        self._check_residual_sizes(residuals)  # before the zeroing below (a pending load is checked here)
         self._unsettled = None  # the loaded residuals replace whatever the last step left
         for g in self._groups:  # residuals restart at zero unless restored below
             if g.residual is not None:
@@ -129,10 +127,19 @@ class Checkpointing:
                 stacklevel=3,
             )
 
+    def _check_residual_sizes(self, residuals: Dict[str, torch.Tensor]) -> None:
+        """``ValueError`` for a residual of a compressed parameter whose element count is not the
+        parameter's (names without a compressed slot here are :meth:`_put_residuals`' to ignore)."""
+        by_fqn = {s.fqn: s for s in self._slots.values()}
+        for fqn, t in residuals.items():
+            s = by_fqn.get(fqn)
+            if s is not None and s.kind == "ef" and t.numel() != s.numel:
+                raise ValueError(f"residual for {fqn} has {t.numel()} elements, parameter has {s.numel}")
+
     def _put_residuals(self, residuals: Dict[str, torch.Tensor]) -> list:
         """Copy each ``fqn -> tensor`` residual into its parameter's slot of its group's residual
-        (allocated as zeros if needed); returns the names that have no compressed slot here.
-        ``ValueError`` for an element count that is not the parameter's."""
+        (allocated as zeros if needed; sizes checked by :meth:`_check_residual_sizes`); returns
+        the names that have no compressed slot here."""
         by_fqn = {s.fqn: s for s in self._slots.values()}
         unknown = []
         for fqn, t in residuals.items():
@@ -140,10 +147,6 @@ class Checkpointing:
             if s is None or s.kind != "ef":
                 unknown.append(fqn)
                 continue
-            if t.numel() != s.numel:
-                raise ValueError(
-                    f"residual for {fqn} has {t.numel()} elements, parameter has {s.numel}"
-                )
             g = s.group
             if g.residual is None:
                 g.residual = torch.zeros(g.ef_numel, dtype=torch.float32, device=g.device)
