@@ -4,6 +4,8 @@ topology ring vs two-level vs gloo, allreduce 1-64 MiB and a DDP step, side by s
 
     sudo python3 benchmarks/topology.py                      # 2 racks x 2 hosts x 2 ranks, 200mbit uplinks
     sudo python3 benchmarks/topology.py --ranks-per-host 1 --sizes 1M,4M --markdown --json /tmp/t.json
+    sudo python3 benchmarks/topology.py --ranks-per-host 1 --sizes '' --ddp-steps 0 --probe-mb 0 --sweep-groups 10
+                                                             # layers_per_group auto vs 1, 2, 4, 8, 16 (slow links)
 
 Set-up (defaults): 2 racks x 2 hosts (network namespaces) x 2 ranks; each rack is a bridge,
 its uplink to the core bridge a veth pair shaped with tc tbf at --rate in both directions (queue
@@ -29,6 +31,12 @@ xirang's hook); "xirang+fp16" / "xirang+int8" are the hook with wire="fp16" / "i
 two-level group (fp32 inside hosts, the format across them). "compute" is the same step without
 DDP (no communication).
 Cross-rack MB: bytes_cross_rack of the op's xirang.stats() record, summed over ranks.
+--sweep-groups STEPS: the hook (bf16) on the topology-ring group with layers_per_group 1, 2, 4, 8, 16
+and "auto" on --sweep-layers x [Linear(--sweep-width) + ReLU] blocks (one layer each), bucket_cap_mb
+--sweep-bucket-mb; --sweep-warmup untimed steps per size (auto calibrates and decides there), then
+STEPS timed steps with the sizes taking turns; the table gives each size's median step (slowest
+rank), IQR and ratio to the best fixed size, auto's choice and rank 0's model (alpha, beta,
+contention, slowdown, predicted exposed communication per size).
 """
 from __future__ import annotations
 
@@ -46,6 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "cluster"))
 
 KiB, MiB = 1024, 1024 * 1024
 METHODS = ("rank-ring", "topo-ring", "two-level", "gloo")
+SWEEP = (1, 2, 4, 8, 16)  # --sweep-groups: the fixed layers_per_group sizes auto is compared with
 
 
 def parse_size(s: str) -> int:
@@ -137,6 +146,8 @@ def worker() -> int:
 
     import torch
     import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import xirang
 
@@ -232,9 +243,7 @@ def worker() -> int:
 
     # ---- DDP step
     if cfg["ddp_steps"] > 0:
-        import torch.nn as nn
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        from torch.nn.parallel import DistributedDataParallel as DDP
 
         def make_model():
             torch.manual_seed(0)
@@ -294,6 +303,50 @@ def worker() -> int:
             print("ddp step: " + "  ".join(f"{m} {statistics.median(times[m]) * 1e3:.0f} ms" for m in ddp_methods),
                   file=sys.stderr, flush=True)
 
+    # ---- layers_per_group auto against fixed sizes (--sweep-groups): the hook on the topology ring
+    if cfg["sweep_steps"] > 0:
+        torch.manual_seed(0)
+        width = cfg["sweep_width"]
+        g = torch.Generator().manual_seed(rank)
+        data = torch.randn(cfg["batch"], width, generator=g)
+        sizes = [str(k) for k in SWEEP] + ["auto"]
+        models = {}
+        for k in sizes:
+            torch.manual_seed(0)
+            net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(cfg["sweep_layers"])])
+            d = DDP(net, process_group=groups["topo-ring"], bucket_cap_mb=cfg["sweep_bucket_mb"])
+            st = xirang.register_comm_hook(d, layers_per_group="auto" if k == "auto" else int(k))
+            models[k] = (d, torch.optim.SGD(d.parameters(), lr=1e-3), st)
+
+        def sweep_step(k):
+            net, opt, _ = models[k]
+            opt.zero_grad(set_to_none=True)
+            net(data).pow(2).mean().backward()
+            opt.step()
+
+        for _ in range(cfg["sweep_warmup"]):  # auto's calibration happens here (DDP's first step + 4)
+            for k in sizes:
+                sweep_step(k)
+        times = {k: [] for k in sizes}
+        for i in range(cfg["sweep_steps"]):
+            j = i % len(sizes)
+            for k in sizes[j:] + sizes[:j]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                sweep_step(k)
+                times[k].append(slowest(time.perf_counter() - t0))
+        st = models["auto"][2]
+        a = st.stats()["autogroup"] or {}
+        rows.append({"kind": "sweep", "times": times, "chosen": st.group_size(),
+                     "predicted_exposed_s": a.get("predicted_exposed_comm_s"),
+                     "measured_exposed_s": a.get("measured_exposed_comm_s"),
+                     "autogroup": {k: a.get(k) for k in ("alpha_s", "beta_s_per_byte", "contention", "slowdown",
+                                                         "predictions_s", "source")},
+                     "params": sum(p.numel() for p in models["auto"][0].parameters())})
+        if rank == 0:
+            print("sweep: " + "  ".join(f"{k} {statistics.median(times[k]) * 1e3:.0f} ms" for k in sizes)
+                  + f"; auto chose {st.group_size()}", file=sys.stderr, flush=True)
+
     if rank == 0:
         with open(cfg["out"], "w") as f:
             json.dump({"rows": rows, "info": info}, f)
@@ -318,6 +371,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--bucket-mb", type=float, default=25)
     ap.add_argument("--probe-mb", type=float, default=16, help="raw TCP probe size (0: none)")
+    ap.add_argument("--sweep-groups", type=int, default=0, metavar="STEPS",
+                    help="timed steps of the hook with layers_per_group auto against 1, 2, 4, 8, 16 on the "
+                         "topology ring (0: none), on --sweep-layers x Linear(--sweep-width) blocks")
+    ap.add_argument("--sweep-layers", type=int, default=24)
+    ap.add_argument("--sweep-width", type=int, default=256)
+    ap.add_argument("--sweep-warmup", type=int, default=8, help="untimed steps per size first (>= 6: auto's calibration)")
+    ap.add_argument("--sweep-bucket-mb", type=float, default=0.25, help="bucket_cap_mb of the sweep's DDP models")
     ap.add_argument("--timeout", type=float, default=900, help="wall-clock bound of the run, s")
     ap.add_argument("--op-timeout", type=float, default=300)
     ap.add_argument("--markdown", action="store_true")
@@ -348,6 +408,8 @@ def main() -> int:
         intra = next((r for r in range(1, ws) if hosts[r].rack == hosts[0].rack and hosts[r].ns != hosts[0].ns), None)
         out = tempfile.NamedTemporaryFile(prefix="xrbench_", suffix=".json", delete=False).name
         cfg = {"sizes": sizes, "reps": reps, "warmup": a.warmup, "ddp_steps": a.ddp_steps, "layers": a.layers,
+               "sweep_steps": a.sweep_groups, "sweep_layers": a.sweep_layers, "sweep_width": a.sweep_width,
+               "sweep_warmup": a.sweep_warmup, "sweep_bucket_mb": a.sweep_bucket_mb,
                "width": a.width, "batch": a.batch, "bucket_mb": a.bucket_mb, "op_timeout": a.op_timeout,
                "ips": [h.ip for h in hosts], "probe_cross": cross if a.probe_mb > 0 else None,
                "probe_intra": intra if a.probe_mb > 0 else None, "probe_bytes": int(a.probe_mb * MiB), "out": out,
@@ -431,6 +493,36 @@ def report(res, a, setup, ws, hosts, elapsed, load0, load1) -> None:
                          + ", ".join(f"{w} {med['xirang+' + w] * 1e3:.0f} ms ({med['xirang+' + w] / med['gloo']:.2f}x "
                                      f"gloo fp32, xrack {r['cross_rack'].get('xirang+' + w, 0) / 1e6:.1f} MB)"
                                      for w in ("fp16", "int8")))
+    for r in res["rows"]:
+        if r["kind"] != "sweep":
+            continue
+        med = {k: statistics.median(v) for k, v in r["times"].items()}
+        iqr = {k: statistics.quantiles(v, n=4)[2] - statistics.quantiles(v, n=4)[0] if len(v) > 1 else 0.0
+               for k, v in r["times"].items()}
+        fixed = [k for k in med if k != "auto"]
+        best = min(fixed, key=lambda k: med[k])
+        lines.append(f"# layers_per_group sweep: the hook (bf16) on the topology ring, {a.sweep_layers} x "
+                     f"[Linear({a.sweep_width},{a.sweep_width}) + ReLU] ({r['params'] / 1e6:.2f} M params), batch "
+                     f"{a.batch}, bucket {a.sweep_bucket_mb} MB, {a.sweep_warmup} warmup + {a.sweep_groups} timed "
+                     "steps per size, sizes taking turns")
+        lines.append(row(["layers/group", "step ms", "iqr ms", "vs best fixed"], [14, 9, 9, 14]))
+        if md:
+            lines.append("|---|---:|---:|---:|")
+        for k in med:
+            label = f"auto -> {r['chosen']}" if k == "auto" else k
+            lines.append(row([label, f"{med[k] * 1e3:.0f}", f"{iqr[k] * 1e3:.0f}", f"{med[k] / med[best]:.3f}x"],
+                             [14, 9, 9, 14]))
+        pe, me = r.get("predicted_exposed_s"), r.get("measured_exposed_s")
+        lines.append(f"# best fixed: {best}; auto chose {r['chosen']} (rank 0 predicted exposed comm "
+                     + (f"{pe * 1e3:.0f} ms" if pe is not None else "-") + ", this rank measured "
+                     + (f"{me * 1e3:.0f} ms" if me is not None else "-") + ")")
+        ag = r.get("autogroup") or {}
+        if ag.get("predictions_s"):
+            beta = ag.get("beta_s_per_byte")
+            pred = ", ".join(f"{k}: {v * 1e3:.0f}" for k, v in sorted(ag["predictions_s"].items(), key=lambda kv: int(kv[0])))
+            lines.append(f"# auto's model (rank 0): alpha {1e6 * (ag.get('alpha_s') or 0):.0f} us/op, "
+                         f"{(1e-6 / beta) if beta else float('nan'):.1f} MB/s, contention {ag.get('contention')}, "
+                         f"slowdown {ag.get('slowdown')}; predicted exposed ms by size: {pred}")
     reps = {r["size"]: r["reps"] for r in res["rows"] if r["kind"] == "allreduce"}
     lines.append("# median of repetitions (" + ", ".join(f"{fmt_size(s)}: {n}" for s, n in reps.items())
                  + f"; DDP: {a.ddp_steps} steps) of the slowest rank's time; xrack MB = bytes_cross_rack "
