@@ -401,7 +401,9 @@ struct NcclDevice : LinkDevice {
     try {
       l = std::make_unique<transport::NcclLink>(nccl, cuda::runtimeApi(), c, rank, size, s);
     } catch (...) {
-      (void)nccl.commAbort(c);  // the peers' communicator must not wait for this one
+      // the peers' communicator must not wait for this one
+      device::NcclApi* api = &nccl;
+      (void)transport::boundedTeardown([api, c] { return api->commAbort(c); }, "ncclCommAbort", rank);
       throw;
     }
     // A peer that failed elsewhere writes the group's abort note (Tcp::abort); a rank blocked in

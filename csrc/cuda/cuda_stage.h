@@ -49,7 +49,9 @@
 // the engine's own (not a pool stream shared with the mirror engine's point-to-point ops or other
 // groups, whose waits could otherwise queue behind an NCCL receive). A poisoned or aborted group
 // interrupts its link (DeviceEngine::abort, any thread), so this rank's NCCL wait fails at once;
-// the comm thread then aborts the communicator (only it calls into NCCL). A rank blocked in NCCL
+// the comm thread then aborts the communicator (only it calls into NCCL; ncclCommAbort and
+// ncclCommDestroy, which can block for good, run on a thread of their own and hold it at most
+// 10 s: transport::boundedTeardown, past which the communicator is leaked). A rank blocked in NCCL
 // on a peer that failed elsewhere learns it from the group's store abort note, polled every
 // 200 ms of a wait (NcclLink::setStopCheck).
 // Not yet: NCCL in elastic mode (a rebuilt ring needs a new communicator: refused with a clear

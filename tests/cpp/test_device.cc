@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -627,12 +628,10 @@ TEST_CASE("device: a rank aborting mid-op makes the others fail, not hang", "[de
   CHECK((what[0].find("rank 1 aborted") != std::string::npos || what[2].find("rank 1 aborted") != std::string::npos));
 }
 
-// The fake's NCCL with rank 0's sends failing after the first `ok_sends` (a call NCCL rejects,
-// e.g. a bad argument or a communicator already in error), watching for a communicator aborted
-// while this thread's group is still open: ncclGroupEnd then walks freed memory in real NCCL.
-struct FailingSends : dv::NcclApi {
-  FailingSends(dv::NcclApi& inner, int ok_sends) : in(inner), ok(ok_sends) {}
-  const char* name() const override { return "failing-sends"; }
+// An NcclApi that hands every call to `inner` (the fake's): the tests' wrappers override a few.
+struct ForwardNccl : dv::NcclApi {
+  explicit ForwardNccl(dv::NcclApi& inner) : in(inner) {}
+  const char* name() const override { return "forward"; }
   const char* errorString(int r) override { return in.errorString(r); }
   std::string lastError(dv::NcclComm c) override { return in.lastError(c); }
   int getVersion(int* v) override { return in.getVersion(v); }
@@ -641,13 +640,30 @@ struct FailingSends : dv::NcclApi {
                          const dv::NcclConfig& cfg) override {
     return in.commInitRankConfig(c, n, id, r, cfg);
   }
+  int commAbort(dv::NcclComm c) override { return in.commAbort(c); }
+  int commDestroy(dv::NcclComm c) override { return in.commDestroy(c); }
+  int commGetAsyncError(dv::NcclComm c, int* e) override { return in.commGetAsyncError(c, e); }
+  int groupStart() override { return in.groupStart(); }
+  int groupEnd() override { return in.groupEnd(); }
+  int send(const void* b, size_t bytes, int peer, dv::NcclComm c, dv::Stream s) override {
+    return in.send(b, bytes, peer, c, s);
+  }
+  int recv(void* b, size_t bytes, int peer, dv::NcclComm c, dv::Stream s) override { return in.recv(b, bytes, peer, c, s); }
+
+  dv::NcclApi& in;
+};
+
+// The fake's NCCL with rank 0's sends failing after the first `ok_sends` (a call NCCL rejects,
+// e.g. a bad argument or a communicator already in error), watching for a communicator aborted
+// while this thread's group is still open: ncclGroupEnd then walks freed memory in real NCCL.
+struct FailingSends : ForwardNccl {
+  FailingSends(dv::NcclApi& inner, int ok_sends) : ForwardNccl(inner), ok(ok_sends) {}
+  const char* name() const override { return "failing-sends"; }
   int commAbort(dv::NcclComm c) override {
     ++aborts;
     if (depth > 0) ++aborts_in_open_group;
     return in.commAbort(c);
   }
-  int commDestroy(dv::NcclComm c) override { return in.commDestroy(c); }
-  int commGetAsyncError(dv::NcclComm c, int* e) override { return in.commGetAsyncError(c, e); }
   int groupStart() override {
     ++depth;
     return in.groupStart();
@@ -660,13 +676,80 @@ struct FailingSends : dv::NcclApi {
     if (sends++ >= ok) return dv::kNcclInvalidArgument;
     return in.send(b, bytes, peer, c, s);
   }
-  int recv(void* b, size_t bytes, int peer, dv::NcclComm c, dv::Stream s) override { return in.recv(b, bytes, peer, c, s); }
 
-  dv::NcclApi& in;
   const int ok;
   int sends = 0, depth = 0;  // rank 0's thread only
   std::atomic<int> aborts{0}, aborts_in_open_group{0};
 };
+
+// The fake's NCCL whose ncclCommAbort and ncclCommDestroy block until release(), as real NCCL's
+// can for good when a peer is gone (NVIDIA/nccl#992, #1777).
+struct BlockingTeardown : ForwardNccl {
+  using ForwardNccl::ForwardNccl;
+  int commAbort(dv::NcclComm c) override {
+    hold();
+    return in.commAbort(c);
+  }
+  int commDestroy(dv::NcclComm c) override {
+    hold();
+    return in.commDestroy(c);
+  }
+  void hold() {
+    std::unique_lock<std::mutex> lk(mu);
+    ++entered;
+    cv.wait_for(lk, std::chrono::seconds(30), [&] { return released; });  // bounded: a test bug must not hang
+    ++returned;
+    cv.notify_all();
+  }
+  void release() {
+    std::lock_guard<std::mutex> g(mu);
+    released = true;
+    cv.notify_all();
+  }
+  // Waits (at most `limit`) until `n` held calls have returned; how many have.
+  int waitReturned(int n, milliseconds limit) {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait_for(lk, limit, [&] { return returned >= n; });
+    return returned;
+  }
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool released = false;
+  int entered = 0, returned = 0;
+};
+
+TEST_CASE("device: a blocked ncclCommAbort or ncclCommDestroy holds its caller at most the teardown limit",
+          "[device]") {
+  const milliseconds old = tp::teardownLimit();
+  tp::setTeardownLimit(milliseconds(200));
+  for (bool abort_first : {true, false}) {  // abort(): ncclCommAbort; else the idle link's ncclCommDestroy
+    CAPTURE(abort_first);
+    dv::FakeDevice dev;
+    BlockingTeardown api(dev.nccl());
+    MemStore store;
+    dv::Stream stream{};
+    REQUIRE(dev.cuda().streamCreate(&stream) == dv::kCudaSuccess);
+    const auto id = tp::shareNcclUniqueId(api, store, "xirang/test/0/nccl_uid", 0, after(milliseconds(5000)));
+    auto link = std::make_unique<tp::NcclLink>(api, dev.cuda(), tp::initNcclComm(api, id, 0, 1, after(milliseconds(5000)), "test"),
+                                               0, 1, stream);
+    const auto t0 = xirang_test::Clock::now();
+    if (abort_first) link->abort("test");
+    link.reset();  // after an abort: no second NCCL call
+    const auto held = xirang_test::Clock::now() - t0;
+    CHECK(held >= milliseconds(150));
+    CHECK(held < milliseconds(3000));
+    {
+      std::lock_guard<std::mutex> g(api.mu);
+      CHECK(api.entered == 1);  // the call was made once, and it is still blocked
+      CHECK(api.returned == 0);
+    }
+    api.release();  // the left-behind thread finishes before the fake goes away
+    CHECK(api.waitReturned(1, milliseconds(5000)) == 1);
+    (void)dev.cuda().streamDestroy(stream);
+  }
+  tp::setTeardownLimit(old);
+}
 
 TEST_CASE("device: an NCCL call failing inside a group aborts the communicator only after the group's end",
           "[device]") {
@@ -1129,10 +1212,10 @@ TEST_CASE("device: a stop check ends the waits for the unique id and for the oth
   }
   // rank 0's ncclGetUniqueId fails: it says so under the key, and rank 1 fails with it at once
   {
-    struct NoUniqueId : FailingSends {
-      using FailingSends::FailingSends;
+    struct NoUniqueId : ForwardNccl {
+      using ForwardNccl::ForwardNccl;
       int getUniqueId(dv::NcclUniqueId*) override { return dv::kNcclInvalidArgument; }
-    } broken(dev.nccl(), 1 << 30);
+    } broken(dev.nccl());
     MemStore store;
     std::vector<std::string> w(2);
     const auto t2 = xirang_test::Clock::now();

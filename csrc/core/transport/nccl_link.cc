@@ -2,10 +2,13 @@
 #include "core/transport/nccl_link.h"
 
 #include "core/device/backoff.h"
+#include "core/env.h"
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -196,6 +199,55 @@ NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size,
   return chooseNccl(all);
 }
 
+namespace {
+std::atomic<int64_t> g_teardown_limit_ms{10000};
+
+void abortInit(dv::NcclApi& nccl, dv::NcclComm comm, int rank) {
+  dv::NcclApi* api = &nccl;
+  (void)boundedTeardown([api, comm] { return api->commAbort(comm); }, "ncclCommAbort (a communicator being made)",
+                        rank);
+}
+}  // namespace
+
+std::chrono::milliseconds teardownLimit() { return std::chrono::milliseconds(g_teardown_limit_ms.load()); }
+void setTeardownLimit(std::chrono::milliseconds limit) { g_teardown_limit_ms = limit.count(); }
+
+int boundedTeardown(std::function<int()> call, const std::string& what, int rank) {
+  struct Result {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    int r = dv::kNcclInProgress;
+  };
+  auto res = std::make_shared<Result>();
+  const auto limit = teardownLimit();
+  std::thread t;
+  try {
+    t = std::thread([res, call = std::move(call)] {
+      const int r = call();
+      std::lock_guard<std::mutex> g(res->mu);
+      res->r = r;
+      res->done = true;
+      res->cv.notify_all();
+    });
+  } catch (const std::exception& e) {  // no thread to be had: nothing to bound it with
+    env::log(env::Level::Warn, rank, what + ": no thread to run it on (" + e.what() + "): the communicator is left to the process");
+    return dv::kNcclInProgress;
+  }
+  std::unique_lock<std::mutex> lk(res->mu);
+  if (res->cv.wait_for(lk, limit, [&] { return res->done; })) {
+    lk.unlock();
+    t.join();
+    return res->r;
+  }
+  lk.unlock();
+  t.detach();
+  env::log(env::Level::Warn, rank,
+           what + " did not return within " + std::to_string(limit.count()) + " ms (NCCL can block there for good when "
+           "a peer is gone: NVIDIA/nccl#992); it is left running on a thread of its own and the communicator is leaked");
+  return dv::kNcclInProgress;
+}
+
 dv::NcclComm initNcclComm(dv::NcclApi& nccl, const dv::NcclUniqueId& id, int rank, int size, Deadline deadline,
                           const std::string& name, const StopCheck& stop) {
   dv::NcclConfig cfg;
@@ -207,7 +259,7 @@ dv::NcclComm initNcclComm(dv::NcclApi& nccl, const dv::NcclUniqueId& id, int ran
   int r = nccl.commInitRankConfig(&comm, size, id, rank, cfg);
   if (r != dv::kNcclSuccess && r != dv::kNcclInProgress) {
     std::string msg = "ncclCommInitRankConfig of " + what + ": " + ncclWhat(nccl, comm, r);
-    if (comm) (void)nccl.commAbort(comm);
+    if (comm) abortInit(nccl, comm, rank);
     throw TransportError(msg, -1);
   }
   Backoff b;
@@ -220,17 +272,17 @@ dv::NcclComm initNcclComm(dv::NcclApi& nccl, const dv::NcclUniqueId& id, int ran
       next_stop = Clock::now() + std::chrono::milliseconds(50);
       const std::string why = stop();
       if (!why.empty()) {
-        (void)nccl.commAbort(comm);
+        abortInit(nccl, comm, rank);
         throw TransportError(why + " (initialising " + what + ")", -1);
       }
     }
     if (r != dv::kNcclSuccess || async != dv::kNcclInProgress) {
       const std::string msg = "initialising " + what + ": " + ncclWhat(nccl, comm, r != dv::kNcclSuccess ? r : async);
-      (void)nccl.commAbort(comm);
+      abortInit(nccl, comm, rank);
       throw TransportError(msg, -1);
     }
     if (Clock::now() >= deadline) {
-      (void)nccl.commAbort(comm);
+      abortInit(nccl, comm, rank);
       throw TimeoutError("timed out initialising " + what + ": not every rank joined (a rank that never calls it?)",
                          -1);
     }
@@ -289,8 +341,10 @@ NcclLink::~NcclLink() {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (!aborted_) {
-      if (idle) (void)nccl_.commDestroy(comm_);
-      else (void)nccl_.commAbort(comm_);
+      dv::NcclApi* api = &nccl_;
+      dv::NcclComm c = comm_;
+      if (idle) (void)boundedTeardown([api, c] { return api->commDestroy(c); }, "ncclCommDestroy", rank_);
+      else (void)boundedTeardown([api, c] { return api->commAbort(c); }, "ncclCommAbort", rank_);
       aborted_ = true;
     }
   }
@@ -524,7 +578,9 @@ void NcclLink::abort(const std::string& why) {
 
 void NcclLink::abortLocked() {
   if (aborted_) return;
-  (void)nccl_.commAbort(comm_);
+  dv::NcclApi* api = &nccl_;
+  dv::NcclComm c = comm_;
+  (void)boundedTeardown([api, c] { return api->commAbort(c); }, "ncclCommAbort", rank_);
   aborted_ = true;
 }
 

@@ -34,7 +34,8 @@
 //
 // Failures. Every wait (header round, synchronize, a non-blocking NCCL enqueue) polls the
 // stream's event and ncclCommGetAsyncError until the deadline; an NCCL error or the deadline
-// aborts the communicator (ncclCommAbort) and throws TransportError / TimeoutError; afterwards
+// aborts the communicator (ncclCommAbort, as every teardown here through boundedTeardown: it
+// holds the caller at most teardownLimit()) and throws TransportError / TimeoutError; afterwards
 // the link is unusable. interrupt() (any thread) makes a running or later wait fail at once;
 // abort() (any thread) aborts the communicator. Per-peer timings report bytes, with seconds = 0
 // (a device link sees no transfer times without timing events).
@@ -71,6 +72,18 @@ device::NcclUniqueId shareNcclUniqueId(device::NcclApi& nccl, Store& store, cons
 // aborts the half-made communicator and throws TransportError / TimeoutError naming `name`.
 device::NcclComm initNcclComm(device::NcclApi& nccl, const device::NcclUniqueId& id, int rank, int size,
                               Deadline deadline, const std::string& name = "", const StopCheck& stop = {});
+
+// Runs `call` (an ncclCommAbort or ncclCommDestroy) on a thread of its own and waits at most
+// teardownLimit() for it. Both can block for good: a proxy thread stuck in poll(), a same-host
+// peer that is gone (NVIDIA/nccl#863, #992, #1777); torch's NCCL backend bounds its abort the
+// same way. Returns the call's result, or device::kNcclInProgress when it had not returned by
+// then: the thread is left to finish on its own (it and the communicator are leaked, and the
+// NcclApi must outlive it: the process's library, or a test's fake kept alive), and a WARNING
+// names `what` and `rank`. Never throws.
+int boundedTeardown(std::function<int()> call, const std::string& what, int rank);
+// The bound: 10 s unless set (the Catch2 tests shorten it). Any thread.
+std::chrono::milliseconds teardownLimit();
+void setTeardownLimit(std::chrono::milliseconds limit);
 
 // XIRANG_CUDA_TRANSPORT=auto's choice between the NCCL engine and the host-staged ones, made once
 // per group at its first CUDA collective (#12: NCCL when it loaded and every rank has a GPU of its
