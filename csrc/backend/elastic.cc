@@ -1,9 +1,16 @@
 #include "backend/elastic.h"
 
 #include <c10/util/Exception.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdio>
+#include <map>
+#include <mutex>
+#include <thread>
 #include <cstring>
 #include <sstream>
 
@@ -15,6 +22,9 @@ namespace xirang {
 namespace {
 // A failure report starting with this fails every rank instead of starting an agreement.
 constexpr const char* kFatal = "fatal: ";
+// A spare's join key once the spare is in, or once the lowest live rank found it gone.
+constexpr const char* kTaken = "taken";
+constexpr const char* kGone = "gone";
 }  // namespace
 
 Membership::Membership(int rank, int size, const XirangConfig& cfg, std::shared_ptr<transport::Store> store,
@@ -76,7 +86,9 @@ std::string rankList(const std::vector<int>& ranks) {
 }  // namespace
 
 std::shared_ptr<transport::ShmDomain> Membership::makeShm(const std::vector<int>& members, uint64_t epoch,
-                                                          const std::shared_ptr<transport::Tcp>& tcp) const {
+                                                          const std::shared_ptr<transport::Tcp>& tcp,
+                                                          const std::vector<int>& beating,
+                                                          const std::vector<int>& joining) const {
   if (local_mode_ == "tcp" || static_cast<int>(cfg_.hosts.size()) != size_ || !tcp) return nullptr;
   const std::string& host = cfg_.hosts[static_cast<size_t>(rank_)];
   std::vector<int> local;
@@ -101,9 +113,30 @@ std::shared_ptr<transport::ShmDomain> Membership::makeShm(const std::vector<int>
     o.name_prefix = std::string("/xirang-") + mac + "-";
   }
   std::weak_ptr<transport::Tcp> weak = tcp;
-  o.peer_gone = [weak](int peer) -> std::string {
+  // A survivor that dies during a rebuild has no listener of the new epoch to probe yet: its
+  // heartbeat says it (the waits call this from the set-up's thread only).
+  const auto period = std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000));
+  auto hb = std::make_shared<elastic::HeartbeatWatch>(*store_, prefix_, period);
+  auto jb = std::make_shared<elastic::HeartbeatWatch>(*store_, prefix_, period, /*spares=*/true);
+  // The beats are watched during the set-up only (the domain keeps peer_gone for its waits, and a
+  // spare's join beat stops once it is in).
+  auto setting_up = std::make_shared<std::atomic<bool>>(true);
+  struct SetUpDone {
+    std::shared_ptr<std::atomic<bool>> flag;
+    ~SetUpDone() { flag->store(false); }
+  } set_up_done{setting_up};
+  o.peer_gone = [weak, hb, jb, beating, joining, setting_up](int peer) -> std::string {
     auto t = weak.lock();
-    return t ? t->peerGone(peer) : std::string("the group's TCP transport is closed");
+    if (!t) return "the group's TCP transport is closed";
+    std::string why = t->peerGone(peer);
+    if (!setting_up->load()) return why;
+    auto in = [peer](const std::vector<int>& v) { return std::find(v.begin(), v.end(), peer) != v.end(); };
+    if (why.empty() && in(beating) && hb->stale(peer))
+      why = "rank " + std::to_string(peer) + " missed its heartbeats for " + std::to_string(hb->silentFor(peer)) + " s";
+    if (why.empty() && in(joining) && jb->stale(peer))
+      why = "the spare for rank " + std::to_string(peer) + " stopped beating " + std::to_string(jb->silentFor(peer)) +
+            " s ago";
+    return why;
   };
   std::string unavailable;
   try {
@@ -113,6 +146,14 @@ std::shared_ptr<transport::ShmDomain> Membership::makeShm(const std::vector<int>
     unavailable = e.what();
   } catch (const std::invalid_argument& e) {  // a local rank's bad XIRANG_SHM_BYTES: ValueError
     TORCH_CHECK_VALUE(false, rankPrefix(rank_), "creating the shared-memory domain of ", who, " failed: ", e.what());
+  } catch (const transport::TransportError& e) {
+    // Every local rank waits for the gone rank's keys, so all of them end up here alike.
+    XR_CHECK(rank_, epoch > 0 && e.peer() >= 0 && !dynamic_cast<const transport::TimeoutError*>(&e),
+             "creating the shared-memory domain of ", who, " failed: ", e.what());
+    env::log(env::Level::Warn, rank_,
+             "epoch " + std::to_string(epoch) + ": " + e.what() + "; this epoch runs over TCP, and its first operation " +
+                 "finds the loss");
+    return nullptr;
   } catch (const std::exception& e) {
     XR_CHECK(rank_, false, "creating the shared-memory domain of ", who, " failed: ", e.what());
   }
@@ -319,14 +360,19 @@ void Membership::failGroup(const std::string& msg) {
 // d.live. Runs on the communication thread (or in start() of a joining rank), then calls the
 // membership callback.
 void Membership::installEpoch(const elastic::Decision& d, const transport::Key128& key, int source,
-                              const std::string& reason, double agreement_s, Clock::time_point t0) {
+                              const std::string& reason, double agreement_s, Clock::time_point t0,
+                              const std::vector<int>& beating, const std::vector<int>& joining) {
   transport::TcpOptions topts = transportOptions(key_ns_ + "/e" + std::to_string(d.epoch));
   topts.members = d.live;
   topts.key = key;
   // Every member of the epoch can compute its group id (rank 0 may be gone): from its key.
   topts.group_id = transport::siphash24(key, "xirang-epoch-group", 18);
   auto fresh = std::make_shared<transport::Tcp>(rank_, size_, store_, topts, Clock::now() + cfg_.timeout);
-  std::shared_ptr<transport::ShmDomain> fresh_shm = makeShm(d.live, d.epoch, fresh);
+  if (d.epoch > 0 && source < 0) {  // a rank lost during the rebuild (tests)
+    static const std::string die = env::get("XIRANG_TEST_DIE_IN_REBUILD");
+    if (!die.empty() && die == std::to_string(rank_)) ::kill(::getpid(), SIGKILL);
+  }
+  std::shared_ptr<transport::ShmDomain> fresh_shm = makeShm(d.live, d.epoch, fresh, beating, joining);
   std::vector<int> base = cfg_.ring;
   if (base.empty())
     for (int r = 0; r < size_; ++r) base.push_back(r);
@@ -409,7 +455,8 @@ elastic::Decision Membership::recover(const std::string& why) {
     std::lock_guard<std::mutex> g(mu_);
     key = epochKey(d.epoch, transport::deriveKey(tcp_->key(), d.epoch));
   }
-  installEpoch(d, key, /*source=*/-1, reason, std::chrono::duration<double>(t_agreed - t0).count(), t0);
+  // Every rank of the decision registered in the agreement: its heartbeat thread runs.
+  installEpoch(d, key, /*source=*/-1, reason, std::chrono::duration<double>(t_agreed - t0).count(), t0, d.live);
   env::log(env::Level::Warn, rank_,
            "rebuilt the ring: " + text(&d) + ", ops up to #" + std::to_string(d.done_seq) + " kept, #" +
                std::to_string(d.done_seq + 1) + "-#" + std::to_string(d.fence) + " void; recovery " +
@@ -438,17 +485,37 @@ void Membership::admit(OpCtx& ctx, int64_t expect, double wait_s) {
   const std::string key = elastic::admitKey(prefix_, ctx.seq);
   if (rank_ == lowest) {
     const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
+    // A spare is admitted once its join beat is seen to advance; one whose beat stays still for
+    // XIRANG_HEARTBEAT_S (it died while it waited: its join key outlives it) is marked gone and
+    // never admitted (a live one that was only slow announces itself again).
+    elastic::HeartbeatWatch beats(*store_, prefix_,
+                                  std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000)),
+                                  /*spares=*/true);
+    std::map<int, int64_t> first_beat;
     std::vector<std::pair<int, std::string>> joiners;  // (rank, nonce)
     while (true) {
       joiners.clear();
+      bool pending = false;
       for (int r = 0; r < size_; ++r) {
         const std::string jk = elastic::joinKey(prefix_, r);
         if (std::find(live_.begin(), live_.end(), r) != live_.end() || !store_->check(jk)) continue;
         std::string nonce = store_->get(jk, ctx.deadline);
-        if (nonce != "taken") joiners.push_back({r, nonce});
+        if (nonce == kTaken || nonce == kGone) continue;
+        const int64_t b = store_->add(elastic::joinBeatKey(prefix_, r), 0);
+        const int64_t b0 = first_beat.try_emplace(r, b).first->second;
+        if (b != b0) {
+          joiners.push_back({r, nonce});
+        } else if (beats.stale(r)) {
+          store_->compareSet(jk, nonce, kGone);
+          env::log(env::Level::Warn, rank_,
+                   "the spare for rank " + std::to_string(r) + " is not admitted: its join beat stood still for " +
+                       std::to_string(beats.silentFor(r)) + " s (it exited while it waited?)");
+        } else {
+          pending = true;  // not yet seen to beat: at most XIRANG_HEARTBEAT_S more
+        }
       }
-      if (static_cast<int64_t>(joiners.size()) >= expect) break;
-      if (Clock::now() >= until) {
+      if (!pending && static_cast<int64_t>(joiners.size()) >= expect) break;
+      if (!pending && Clock::now() >= until) {
         joiners.clear();  // fewer than `expect` waiting: admit none this time
         break;
       }
@@ -467,14 +534,18 @@ void Membership::admit(OpCtx& ctx, int64_t expect, double wait_s) {
     store_->compareSet(key, "", d.encode());
     for (const auto& [r, nonce] : joiners) {
       store_->set(elastic::joinedKey(prefix_, r), nonce + " " + std::to_string(rank_) + " " + d.encode());
-      store_->compareSet(elastic::joinKey(prefix_, r), nonce, "taken");
+      store_->compareSet(elastic::joinKey(prefix_, r), nonce, kTaken);
     }
   }
   elastic::Decision d = elastic::Decision::decode(waitKey(key, ctx.deadline));
   if (d.epoch == epoch_.load()) return;  // nobody joined
   transport::Key128 k = auth_key_ ? epochKey(d.epoch, {})
                                   : transport::keyFromHex(waitKey(elastic::secretKey(prefix_, d.epoch), ctx.deadline));
-  installEpoch(d, k, lowest, "spares joined (" + text(&d) + ")", 0.0, Clock::now());
+  // The spares' heartbeat threads start only once they are in: watch the ranks that were live.
+  std::vector<int> joining;
+  for (int r : d.live)
+    if (std::find(live_.begin(), live_.end(), r) == live_.end()) joining.push_back(r);
+  installEpoch(d, k, lowest, "spares joined (" + text(&d) + ")", 0.0, Clock::now(), std::vector<int>(live_), joining);
   env::log(env::Level::Warn, rank_,
            "the ring grew back: " + text(&d) + "; training state source: rank " + std::to_string(lowest));
 }
@@ -493,12 +564,52 @@ uint64_t Membership::join() {
   const std::string hk = elastic::heartbeatKey(prefix_, rank_);
   const int64_t beat0 = store_->add(hk, 0);
   auto next_look = t0 + std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 2000));
+  // The join beat: advanced every heartbeat tick until this function returns (admitted and
+  // set up), so the lowest live rank admits only a spare that is still there, and the
+  // survivors' shared-memory set-up learns of one that dies while it joins.
+  struct Beat {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false;
+    std::thread t;
+    ~Beat() {
+      {
+        std::lock_guard<std::mutex> g(mu);
+        stop = true;
+      }
+      cv.notify_all();
+      if (t.joinable()) t.join();
+    }
+  } beat;
+  const auto tick = std::max(std::chrono::milliseconds(20),
+                             std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 200)));
+  beat.t = std::thread([this, tick, &beat] {
+    std::unique_lock<std::mutex> g(beat.mu);
+    while (!beat.stop) {
+      g.unlock();
+      try {
+        store_->add(elastic::joinBeatKey(prefix_, rank_), 1);
+      } catch (const std::exception&) {  // the store is gone: the wait below fails on its own
+        return;
+      }
+      g.lock();
+      beat.cv.wait_for(g, tick, [&] { return beat.stop; });
+    }
+  });
   bool alive = false;
   std::string joined;
+  auto next_announce = t0 + std::chrono::milliseconds(500);
   while (true) {
     if (store_->check(jk)) {
       joined = store_->get(jk, deadline);
       if (joined.compare(0, nonce.size() + 1, nonce + " ") == 0) break;
+    }
+    if (Clock::now() >= next_announce) {  // found gone while it was only slow: announce again
+      next_announce = Clock::now() + std::chrono::milliseconds(500);
+      if (store_->get(elastic::joinKey(prefix_, rank_), deadline) == kGone) {
+        env::log(env::Level::Warn, rank_, "the live ranks found this spare gone (its join beat stood still): announcing it again");
+        store_->set(elastic::joinKey(prefix_, rank_), nonce);
+      }
     }
     if (!alive && Clock::now() >= next_look) {
       next_look = Clock::now() + std::chrono::milliseconds(500);
@@ -527,7 +638,7 @@ uint64_t Membership::join() {
   issued_seq_.store(d.fence);
   done_seq_ = d.fence;
   store_->add(elastic::heartbeatKey(prefix_, rank_), 1);
-  installEpoch(d, key, source, "joined as a spare", 0.0, t0);
+  installEpoch(d, key, source, "joined as a spare", 0.0, t0, {});
   env::log(env::Level::Warn, rank_, "joined: " + text(&d) + "; training state source: rank " + std::to_string(source));
   return d.fence;
 }

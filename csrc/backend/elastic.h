@@ -147,15 +147,24 @@ class Membership {
   // (cfg.hosts labels), or null: XIRANG_TRANSPORT_LOCAL=tcp, fewer than two such ranks, or (auto)
   // ShmDomain::create found shared memory unavailable (one INFO line says why). Collective over
   // those ranks; store keys under key_ns + "/shm/<epoch>/<lowest local rank>"; a peer's death is also learnt from
-  // `tcp`'s peerGone. Throws c10::Error naming the rank (shm: unavailable; a local rank missing
-  // the group timeout; a bad XIRANG_SHM_BYTES).
+  // `tcp`'s peerGone, for the ranks of `beating` (whose heartbeat threads run: the survivors of
+  // an elastic epoch) from their heartbeats, and for those of `joining` (spares being admitted)
+  // from their join beats. A local rank found gone that way during the set-up
+  // of a rebuilt epoch (epoch > 0) leaves the epoch without shared memory (one WARN line): its
+  // first operation then fails over TCP and the next rebuild drops the rank. Throws c10::Error
+  // naming the rank (shm: unavailable; a local rank missing the group timeout; a bad
+  // XIRANG_SHM_BYTES; a local rank gone at epoch 0).
   std::shared_ptr<transport::ShmDomain> makeShm(const std::vector<int>& members, uint64_t epoch,
-                                                const std::shared_ptr<transport::Tcp>& tcp) const;
+                                                const std::shared_ptr<transport::Tcp>& tcp,
+                                                const std::vector<int>& beating = {},
+                                                const std::vector<int>& joining = {}) const;
   // Agrees with the survivors on the next epoch and rebuilds the transport and ring. Throws
   // TransportError if this rank was declared dead or the store is unreachable.
   elastic::Decision recover(const std::string& why);
+  // `beating`, `joining`: the ranks of d.live whose heartbeats / join beats run (makeShm).
   void installEpoch(const elastic::Decision& d, const transport::Key128& key, int source, const std::string& reason,
-                    double agreement_s, Clock::time_point t0);
+                    double agreement_s, Clock::time_point t0, const std::vector<int>& beating,
+                    const std::vector<int>& joining = {});
   uint64_t join();
   // Polls `key` until it exists (returns its value); throws TransportError if a failure is
   // reported for the current epoch meanwhile, TimeoutError after `deadline`.

@@ -44,6 +44,7 @@ const std::vector<Knob>& knobs() {
       {"XIRANG_HEARTBEAT_S", "1.0", "elastic mode: a rank whose store heartbeat has not advanced for this many seconds is declared failed; every rank of a group must agree (checked at its creation)", T::Float, R::Group},
       {"XIRANG_TEST_DIE_AFTER_SEGMENTS", "0", "test only: k or k@r: this process (with @r only if its group rank is r) kills itself (SIGKILL) after sending k data frames", T::String, R::Process},
       {"XIRANG_TEST_DELAY_MS", "0", "test only: sleep this long before each collective on this rank (to make a slow rank)", T::Int, R::Process},
+      {"XIRANG_TEST_DIE_IN_REBUILD", "", "test only: r: in elastic mode, group rank r kills itself (SIGKILL) as it installs a rebuilt epoch, after the survivors agreed on it and before its shared-memory set-up", T::String, R::Process},
   };
   return table;
 }

@@ -32,9 +32,14 @@ bool valid(const std::string& g) {
 }
 
 std::string rankList(const std::vector<int>& ranks) {
-  std::string s;
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? " " : "") + std::to_string(ranks[i]);
-  return "[" + s + "]";
+  // appended piece by piece: "[" + s + "]" trips GCC 12's -Wrestrict false positive once inlined
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i) s += ' ';
+    s += std::to_string(ranks[i]);
+  }
+  s += ']';
+  return s;
 }
 
 }  // namespace
@@ -91,11 +96,16 @@ std::string agree(transport::Store& store, int rank, int size, transport::Deadli
     }
     pending.swap(left);
     if (pending.empty()) break;
-    if (transport::Clock::now() >= deadline)
-      throw transport::TimeoutError("rank 0: ranks " + rankList(pending) + " of " + std::to_string(size) +
-                                        " did not take part in the group's generation handshake within " +
-                                        waited_ms() + " ms (not started, or creating another group)",
-                                    pending.front());
+    if (transport::Clock::now() >= deadline) {
+      const std::string msg = "rank 0: ranks " + rankList(pending) + " of " + std::to_string(size) +
+                              " did not take part in the group's generation handshake within " + waited_ms() +
+                              " ms (not started, or creating another group)";
+      try {  // the ranks that did learn the generation wait under it (their labels): tell them
+        store.set(keyNamespace(g) + "/failed", msg);
+      } catch (const std::exception&) {
+      }
+      throw transport::TimeoutError(msg, pending.front());
+    }
     std::this_thread::sleep_for(kPoll);
   }
   store.set(key("live"), g);

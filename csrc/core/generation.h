@@ -16,6 +16,8 @@
 //   ack/<G>/<r>     rank r learned generation G (rank 0 answers rank r until it exists)
 //   live            the generation of the group created last (written by rank 0 once every rank
 //                   learned it): an elastic spare (XIRANG_JOIN=1) joins that one
+// and, under keyNamespace(G): failed   rank 0's reason when its handshake timed out (the ranks
+// that learned G wait there next, for the topology labels: they fail with it at once)
 #pragma once
 
 #include <string>

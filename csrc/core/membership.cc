@@ -32,6 +32,7 @@ Decision Decision::decode(const std::string& text) {
 }
 
 std::string heartbeatKey(const std::string& prefix, int rank) { return prefix + "/hb/" + std::to_string(rank); }
+std::string joinBeatKey(const std::string& prefix, int rank) { return prefix + "/joinbeat/" + std::to_string(rank); }
 std::string joinKey(const std::string& prefix, int rank) { return prefix + "/join/" + std::to_string(rank); }
 std::string joinedKey(const std::string& prefix, int rank) { return prefix + "/joined/" + std::to_string(rank); }
 std::string admitKey(const std::string& prefix, uint64_t seq) { return prefix + "/admit/" + std::to_string(seq); }
@@ -66,11 +67,12 @@ std::string reportFailure(transport::Store& store, const std::string& prefix, ui
   return storeCall([&] { return store.compareSet(failKey(prefix, epoch), "", why.empty() ? "failure" : why); });
 }
 
-HeartbeatWatch::HeartbeatWatch(transport::Store& store, std::string prefix, std::chrono::milliseconds stale_after)
-    : store_(store), prefix_(std::move(prefix)), stale_after_(stale_after) {}
+HeartbeatWatch::HeartbeatWatch(transport::Store& store, std::string prefix, std::chrono::milliseconds stale_after,
+                               bool spares)
+    : store_(store), prefix_(std::move(prefix)), stale_after_(stale_after), spares_(spares) {}
 
 bool HeartbeatWatch::stale(int r) {
-  int64_t v = storeCall([&] { return store_.add(heartbeatKey(prefix_, r), 0); });
+  int64_t v = storeCall([&] { return store_.add(spares_ ? joinBeatKey(prefix_, r) : heartbeatKey(prefix_, r), 0); });
   auto now = Clock::now();
   auto it = seen_.find(r);
   if (it == seen_.end() || it->second.value != v) {

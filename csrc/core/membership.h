@@ -46,6 +46,9 @@ struct Decision {
 };
 
 std::string heartbeatKey(const std::string& prefix, int rank);
+// A waiting spare's counter (it advances while the spare waits and joins; its heartbeat key is
+// the lost rank's, which the spare must not advance before it is in).
+std::string joinBeatKey(const std::string& prefix, int rank);
 std::string joinKey(const std::string& prefix, int rank);
 std::string joinedKey(const std::string& prefix, int rank);
 std::string admitKey(const std::string& prefix, uint64_t seq);
@@ -63,7 +66,9 @@ std::string reportFailure(transport::Store& store, const std::string& prefix, ui
 // a rank stale before stale_after has passed).
 class HeartbeatWatch {
  public:
-  HeartbeatWatch(transport::Store& store, std::string prefix, std::chrono::milliseconds stale_after);
+  // `spares`: watch the spares' join beats (joinBeatKey) instead of the heartbeats.
+  HeartbeatWatch(transport::Store& store, std::string prefix, std::chrono::milliseconds stale_after,
+                 bool spares = false);
   // Reads rank r's counter now. Throws TransportError if the store is unreachable.
   bool stale(int r);
   // Seconds since rank r's counter last changed (0 if never read).
@@ -80,6 +85,7 @@ class HeartbeatWatch {
   transport::Store& store_;
   std::string prefix_;
   std::chrono::milliseconds stale_after_;
+  bool spares_;
   std::map<int, Seen> seen_;
 };
 

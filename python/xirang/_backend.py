@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Optional, Union
 
@@ -170,8 +171,25 @@ def _shared_settings(C, opts, local: str, order: str, elastic: bool, heartbeat_s
     return shared
 
 
+def _get_label(store, ns: str, r: int, rank: int, group_name: str, timeout_s: float) -> str:
+    """Rank r's label, polled until the group timeout: RuntimeError at once when rank 0's
+    generation handshake failed (it writes why under the generation), RuntimeError naming rank r
+    at the timeout (a store get would wait the store's own timeout instead)."""
+    key, failed = f"{ns}/label/{r}", f"{ns}/failed"
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if store.check([failed]):
+            raise RuntimeError(f"xirang rank {rank}: creating group '{group_name}' failed on its rank 0: "
+                               f"{store.get(failed).decode()}")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"xirang rank {rank}: rank {r} of group '{group_name}' did not publish its topology "
+                               f"label within the group timeout ({timeout_s:g} s): it failed or never got there")
+        time.sleep(0.02)
+    return store.get(key).decode()
+
+
 def _exchange_labels(store, ns: str, rank: int, size: int, group_name: str, join: bool,
-                     mine: dict, problem: Optional[BaseException]) -> list:
+                     mine: dict, problem: Optional[BaseException], timeout_s: float = 1800.0) -> list:
     """Every rank's label ({"host", "rack", "settings"}), through the group's store.
 
     Each rank first writes its own: its labels and shared settings, or {"error": why} when its own
@@ -180,15 +198,25 @@ def _exchange_labels(store, ns: str, rank: int, size: int, group_name: str, join
     rank's place, labels included, as the survivors know them (the ring, shared memory and host
     counters must see one topology on every rank), and a spare refused here leaves no trace.
     Raises ValueError on every rank naming a rank whose settings are bad, a shared setting two
-    ranks disagree on (both values), or a label this version cannot read."""
+    ranks disagree on (both values), or a label this version cannot read; on a spare whose world
+    size is not the group's (each label carries it), naming both. RuntimeError when rank 0's
+    generation handshake failed, or a rank's label is not there within ``timeout_s``."""
     if not join:
-        entry = {"error": f"{type(problem).__name__}: {problem}"} if problem is not None else mine
+        entry = {"error": f"{type(problem).__name__}: {problem}"} if problem is not None else dict(mine, size=size)
         store.set(f"{ns}/label/{rank}", json.dumps(entry, sort_keys=True))
     if problem is not None:
         raise problem
+    if join:  # a spare started with another WORLD_SIZE would wait for labels that never come
+        try:
+            theirs = json.loads(_get_label(store, ns, 0, rank, group_name, timeout_s)).get("size")
+        except (TypeError, AttributeError, json.JSONDecodeError):
+            theirs = None  # not this version's label: the loop below says so
+        if isinstance(theirs, int) and theirs != size:
+            raise ValueError(f"xirang rank {rank}: this spare's world size is {size}, but group '{group_name}' "
+                             f"has {theirs} ranks (its rank 0's label): start the spare with the job's WORLD_SIZE")
     labels = []
     for r in range(size):
-        raw = store.get(f"{ns}/label/{r}").decode()
+        raw = _get_label(store, ns, r, rank, group_name, timeout_s)
         try:
             entry = json.loads(raw)
             if "error" in entry:
@@ -281,7 +309,7 @@ def create(dist_backend_opts, backend_options):
     # peer never joins).
     hosts, racks, ring = [], [], []
     if size > 1:
-        labels = _exchange_labels(store, ns, rank, size, group_name, join, mine, problem)
+        labels = _exchange_labels(store, ns, rank, size, group_name, join, mine, problem, timeout)
         hosts = [x["host"] for x in labels]
         racks = [x["rack"] for x in labels]
         ring = list(C.ring_order([(r, x["host"], x["rack"]) for r, x in enumerate(labels)], order == "topology"))

@@ -194,6 +194,33 @@ def test_failure_during_rebuild():
         assert all(ok for _, ok in d["out"]), d["out"]
 
 
+def w_second_loss_in_the_rebuild():
+    X = _xirang()
+    me = dist.get_rank()
+    dist.barrier()
+    if me == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # the first loss; rank 2 dies in the rebuild (knob)
+    t0 = time.perf_counter()
+    out = _checked_allreduces(13, 4, 4096)
+    return dict(m=X.membership(), out=out, s=time.perf_counter() - t0, shm=list(X._backend_for(None).shm_ranks))
+
+
+def test_a_rank_lost_during_the_shared_memory_rebuild_is_dropped_too():
+    # Ranks 0-2 agree on [0 1 2]; rank 2 dies before its shared-memory set-up of that epoch. Its
+    # local peers used to wait for its segment until the group timeout (here 60 s), then fail.
+    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="1.0", XIRANG_TEST_DIE_IN_REBUILD="2")
+    with mp_pool.Pool(4, "xirang", timeout_s=60, env=env) as pool:
+        res = pool.run(w_second_loss_in_the_rebuild, allow_exit=[2, 3], timeout=120)
+    for r in (0, 1):
+        d = res[r]
+        print(f"rank {r}: {d['m']}, {d['s']:.1f} s")
+        assert d["m"]["live"] == [0, 1], d["m"]
+        assert d["m"]["epoch"] == 2 and d["m"]["recoveries"] == 2, d["m"]
+        assert all(ok for _, ok in d["out"]), d["out"]
+        assert d["s"] < 30, d["s"]  # the heartbeat (1 s) found it, not the group timeout
+        assert d["shm"] == [0, 1]  # the last epoch has its shared memory again
+
+
 # ---------------------------------------------------------------- declared dead, then back
 def w_stopped_rank_comes_back():
     X = _xirang()
@@ -453,6 +480,75 @@ def test_spare_rejoins_at_step_40():
     assert torch.equal(sp["params"], res[0]["params"]), "the spare's parameters differ from rank 0's"
 
 
+# ---------------------------------------------------------------- a spare that died while it waited
+def dying_spare_main(port: int, prefix: str, rank: int, world_size: int) -> None:
+    """A spare (XIRANG_JOIN=1) that SIGKILLs itself 3 s into its wait for admission."""
+    import datetime
+    import threading
+
+    _xirang()
+    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    store = dist.PrefixStore(prefix, base)
+    store.wait(["start_spare"])
+    threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    dist.init_process_group("xirang", store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+
+
+def w_admit_after_the_spare_died():
+    X = _xirang()
+    me = dist.get_rank()
+    dist.barrier()
+    if me == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _retrying(dist.all_reduce, torch.ones(4))
+    if me == 0:
+        mp_pool.W.store.set("start_spare", "1")
+    while not mp_pool.W.store.check(["spare_dead"]):  # polled (see w_live_until_the_spare_gave_up)
+        time.sleep(0.1)
+    t0 = time.perf_counter()
+    first = X.admit_joiners()
+    t1 = time.perf_counter()
+    second = X.admit_joiners()
+    t2 = time.perf_counter()
+    x = torch.full((4,), float(me + 1))
+    dist.all_reduce(x)
+    return dict(first=first, second=second, s1=t1 - t0, s2=t2 - t1, m=X.membership(), val=x.tolist())
+
+
+def test_a_spare_that_died_while_it_waited_is_not_admitted():
+    """Found by a new user: a spare killed while it waited stayed in the store as a joiner and was
+    admitted; over shared memory the survivors then waited for it until the group timeout."""
+    import threading
+
+    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="1.0")
+    with mp_pool.Pool(3, "xirang", timeout_s=60, env=env) as pool:
+        spare = _start_spare(f"dying_spare_main({pool.store.port}, {pool.prefix!r}, 2, 3)", env)
+        rc = []
+
+        def after_the_spare():
+            rc.append(spare.wait(timeout=100))
+            dist.PrefixStore(pool.prefix, pool.store).set("spare_dead", "1")
+
+        watcher = threading.Thread(target=after_the_spare, daemon=True)
+        watcher.start()
+        try:
+            res = pool.run(w_admit_after_the_spare_died, allow_exit=[2], timeout=150)
+        finally:
+            if spare.poll() is None:
+                spare.kill()
+        watcher.join(timeout=10)
+    assert rc == [-signal.SIGKILL], rc  # it died in its wait, as arranged
+    for r in (0, 1):
+        d = res[r]
+        print(f"rank {r}: {d}")
+        assert d["first"] == [] and d["second"] == [], d
+        assert d["m"]["live"] == [0, 1], d["m"]
+        assert d["val"] == [3.0] * 4, d
+        assert d["s1"] < 15, d  # its join beat stood still for XIRANG_HEARTBEAT_S, not the group timeout
+        assert d["s2"] < 1.0, d  # marked gone: not looked at again
+
+
 # ---------------------------------------------------------------- a spare for a rank that is alive
 def w_live_until_the_spare_gave_up():
     dist.all_reduce(torch.ones(4))
@@ -462,7 +558,7 @@ def w_live_until_the_spare_gave_up():
     return dist.get_rank()
 
 
-def live_rank_spare_main(port: int, prefix: str) -> None:
+def live_rank_spare_main(port: int, prefix: str, world_size: int = 2) -> None:
     """A spare started (XIRANG_JOIN=1) with RANK 1 while rank 1 is alive; prints its error."""
     import datetime
 
@@ -471,8 +567,8 @@ def live_rank_spare_main(port: int, prefix: str) -> None:
     store = dist.PrefixStore(prefix, base)
     t0 = time.perf_counter()
     try:
-        dist.init_process_group("xirang", store=dist.PrefixStore("default_pg", store), rank=1, world_size=2,
-                                timeout=datetime.timedelta(seconds=6))
+        dist.init_process_group("xirang", store=dist.PrefixStore("default_pg", store), rank=1,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=6))
         print("ERROR: admitted", flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"spare error after {time.perf_counter() - t0:.1f} s: {e}", flush=True)
@@ -499,6 +595,60 @@ def test_a_spare_for_a_live_rank_says_that_rank_is_alive():
     assert "rank 1 is alive (its heartbeat advanced while this spare waited)" in out, out + err
     assert "start a spare with the RANK of a rank that was lost" in out, out + err
     assert "rank 1 is alive (its heartbeat advances)" in err, err
+
+
+def test_a_spare_with_another_world_size_says_so_at_once():
+    """Found by a new user: a spare started with WORLD_SIZE=3 for a group of 2 waited in silence for
+    a third rank's label, then failed with the store's bare timeout."""
+    import subprocess
+
+    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="0.5")
+    with mp_pool.Pool(2, "xirang", timeout_s=60, env=env) as pool:
+        spare = _start_spare(f"live_rank_spare_main({pool.store.port}, {pool.prefix!r}, world_size=3)", env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            res = pool.run(w_live_until_the_spare_gave_up, timeout=120)
+            out, err = spare.communicate(timeout=60)
+        finally:
+            if spare.poll() is None:
+                spare.kill()
+    assert res == [0, 1]
+    assert "this spare's world size is 3, but group '0' has 2 ranks" in out, out + err
+    waited = float(out.split("spare error after ")[1].split(" s")[0])
+    assert waited < 5, out  # at once, not at the 6 s timeout
+
+
+# ---------------------------------------------------------------- a new group with a lost rank in it
+def w_new_group_with_a_lost_rank():
+    me = dist.get_rank()
+    dist.barrier()
+    if me == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _retrying(dist.all_reduce, torch.ones(4))
+    t0 = time.perf_counter()
+    try:
+        dist.new_group([0, 1, 2], timeout=datetime.timedelta(seconds=8))
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = f"{type(e).__name__}: {e}"
+    s = time.perf_counter() - t0
+    x = torch.full((4,), float(me + 1))
+    dist.all_reduce(x)  # the default group goes on
+    return dict(err=err, s=s, val=x.tolist())
+
+
+def test_a_new_group_with_a_lost_rank_fails_within_its_timeout():
+    """Found by a new user: rank 0's generation handshake timed out, but rank 1, which rank 0 had
+    already answered, waited for rank 0's topology label for the store's own timeout."""
+    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="1.0")
+    with mp_pool.Pool(3, "xirang", timeout_s=60, env=env) as pool:
+        res = pool.run(w_new_group_with_a_lost_rank, allow_exit=[2], timeout=120)
+    for r in (0, 1):
+        print(f"rank {r}: {res[r]}")
+        assert res[r]["err"] is not None and res[r]["s"] < 20, res[r]
+        assert res[r]["val"] == [3.0] * 4, res[r]
+    assert "ranks [2] of 3 did not take part in the group's generation handshake" in res[0]["err"], res[0]
+    assert "ranks [2] of 3 did not take part" in res[1]["err"], res[1]  # told by rank 0, not its own timeout
 
 
 # ---------------------------------------------------------------- a long store.wait is not a lost rank

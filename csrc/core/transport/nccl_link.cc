@@ -55,21 +55,6 @@ void encodeRecord(const FrameHeader& h, const std::vector<Seg>& segs, uint8_t* o
   putU64(out + kHeaderBytes + 8, segs.empty() ? 0 : segs[0].bytes);
 }
 
-// Polls `store` for `key` about every 50 ms until it exists (""), or until `stop()` (may be empty)
-// says why the wait should end (its answer); TimeoutError(timeout_what, timeout_peer) at `deadline`.
-std::string pollForKey(Store& store, const std::string& key, Deadline deadline, const StopCheck& stop,
-                       const std::string& timeout_what, int timeout_peer) {
-  for (;;) {
-    if (store.check(key)) return {};
-    if (stop) {
-      std::string why = stop();
-      if (!why.empty()) return why;
-    }
-    if (Clock::now() >= deadline) throw TimeoutError(timeout_what, timeout_peer);
-    std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(50), deadline - Clock::now()));
-  }
-}
-
 }  // namespace
 
 dv::NcclUniqueId shareNcclUniqueId(dv::NcclApi& nccl, Store& store, const std::string& key, int rank,

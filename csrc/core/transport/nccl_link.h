@@ -55,9 +55,7 @@
 
 namespace xirang::transport {
 
-// Why a wait for the other ranks should end now ("" while it may go on): this rank's group was
-// interrupted or aborted, a peer is gone. Called about every 50 ms of a wait, on the waiting thread.
-using StopCheck = std::function<std::string()>;
+// StopCheck: transport/errors.h.
 
 // Rank 0 creates the communicator's unique id and sets it under `key`; the other ranks read it,
 // polling the store until `deadline` (TimeoutError) or a non-empty `stop()` (TransportError

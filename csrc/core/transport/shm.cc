@@ -126,13 +126,24 @@ uint64_t shmBytesKnob() {
 // std::invalid_argument instead of falling back to TCP.
 constexpr char kInvalidMark = '?';
 
-std::string getOrTimeout(Store& store, const std::string& key, Deadline deadline, int peer, const char* step) {
+// Rank `peer`'s set-up key: TransportError(peer) as soon as `gone(peer)` (may be empty) says it
+// is gone (a rank that dies during the set-up, e.g. during an elastic rebuild, must not hold its
+// local peers until the deadline), TimeoutError(peer) at `deadline`.
+std::string getOrTimeout(Store& store, const std::string& key, Deadline deadline, int peer, const char* step,
+                         const std::function<std::string(int)>& gone) {
+  const std::string late = std::string("xirang: shared memory set-up: rank ") + std::to_string(peer) + " did not " +
+                           step + " before the deadline";
+  if (gone) {
+    const std::string why = pollForKey(store, key, deadline, [&] { return gone(peer); }, late, peer);
+    if (!why.empty())
+      throw TransportError(std::string("xirang: shared memory set-up: rank ") + std::to_string(peer) +
+                               " is gone before it could " + step + ": " + why,
+                           peer);
+  }
   try {
     return store.get(key, deadline);
   } catch (const std::exception& e) {
-    throw TimeoutError(std::string("xirang: shared memory set-up: rank ") + std::to_string(peer) + " did not " + step +
-                           " before the deadline (" + e.what() + ")",
-                       peer);
+    throw TimeoutError(late + " (" + e.what() + ")", peer);
   }
 }
 
@@ -291,7 +302,7 @@ std::unique_ptr<ShmDomain> ShmDomain::create(int rank, std::vector<int> local_ra
       store.set(key("mapped", rank), kInvalidMark + bad_knob);
       throw invalid(rank, bad_knob);
     }
-    const std::string token = getOrTimeout(store, opts.key_prefix + "/token", deadline, creator, "create the segment");
+    const std::string token = getOrTimeout(store, opts.key_prefix + "/token", deadline, creator, "create the segment", opts.peer_gone);
     if (!token.empty() && token[0] == kInvalidMark) throw invalid(creator, token.substr(1));
     if (!token.empty() && token[0] == '!')
       throw ShmUnavailable("xirang: shared memory unavailable: rank " + std::to_string(creator) + ": " + token.substr(1),
@@ -338,7 +349,7 @@ std::unique_ptr<ShmDomain> ShmDomain::create(int rank, std::vector<int> local_ra
     int first_bad = -1;
     for (int r : local_ranks) {
       if (std::string(what) == "mapped" && r == creator) continue;
-      const std::string v = getOrTimeout(store, key(what, r), deadline, r, step);
+      const std::string v = getOrTimeout(store, key(what, r), deadline, r, step, opts.peer_gone);
       if (!v.empty() && v[0] == kInvalidMark) throw invalid(r, v.substr(1));
       if (v != "ok") {
         problems += (problems.empty() ? "" : "; ") + ("rank " + std::to_string(r) + ": " + v);
