@@ -6,9 +6,12 @@
     tb.write(step)
 
 Both read ``xirang.stats(process_group)`` (this rank's records) and only take records they have not
-seen yet (by sequence number), so they are cheap to call often. Neither package is a dependency
-of xirang: ``prometheus_client`` and ``tensorboard`` are imported when an exporter is created, with
-an ImportError that says what to install.
+seen yet (told apart by their content, so point-to-point records, which all carry seq 0, count
+too, and a default group destroyed and created again is counted from its start), so they are
+cheap to call often. Records that left the group's ring (XIRANG_STATS_CAPACITY) before an
+exporter read them cannot be counted: a WARNING says how many (``Aggregator.lost``). Neither
+package is a dependency of xirang: ``prometheus_client`` and ``tensorboard`` are imported when
+an exporter is created, with an ImportError that says what to install.
 
 Metrics (labels: pg, op, group = the hook's layer group or "-", phase):
     xirang_ops_total                      operations
@@ -25,12 +28,15 @@ operation), xirang/<group>/bytes_wire, xirang/<group>/bytes_raw, xirang/ops.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .report.records import PHASES, unattributed
+
+log = logging.getLogger("xirang")
 
 
 def _missing(pkg: str, what: str) -> ImportError:
@@ -43,35 +49,100 @@ def _group_of(r: dict) -> str:
     return str(gid) if isinstance(gid, int) and gid >= 0 else "-"
 
 
-class Aggregator:
-    """Cumulative sums over records, fed incrementally (records with a sequence number not above
-    the last one seen are skipped, so the same record is never counted twice).
+def _key(r: dict) -> tuple:
+    """What tells one record from another: its content, less exposed_wait_s (it grows while a
+    caller waits on the operation)."""
+    return tuple(sorted((k, repr(v)) for k, v in r.items() if k != "exposed_wait_s"))
 
-    ``fetch`` returns the current records (default: ``xirang.stats(process_group)``)."""
+
+def _check_process_group(process_group, who: str) -> None:
+    if process_group is None:
+        return
+    import torch.distributed as dist
+
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"xirang.exporters.{who}: process_group must be None (the default group) or a "
+                        f"torch.distributed ProcessGroup, got {type(process_group).__name__} {process_group!r}")
+
+
+class Aggregator:
+    """Cumulative sums over records, fed incrementally: each record is counted exactly once,
+    point-to-point ones (seq 0) included.
+
+    ``fetch`` returns the current records, oldest first (default: ``xirang.stats(process_group)``,
+    the group's ring of XIRANG_STATS_CAPACITY records). A record is told from the others by its
+    content (seq, op, t_enqueue, times, bytes; not exposed_wait_s, which grows while a caller
+    waits): the records after the last one counted are the new ones. When that one is no longer
+    in the list, every record in it is new: the group was destroyed and created again (its seq
+    restarts at 1), its records were cleared, or its ring wrapped between two updates. In the last
+    case the records that dropped out of the ring before they were read cannot be counted: with the
+    default ``fetch`` their number is known from the group's record count and is added to
+    ``lost`` and logged as a WARNING on the "xirang" logger (a custom ``fetch`` cannot tell).
+
+    Raises TypeError when process_group is neither None (the default group) nor a
+    torch.distributed ProcessGroup.
+    """
 
     def __init__(self, process_group=None, fetch: Optional[Callable[[], List[dict]]] = None, pg_name: str = ""):
+        _check_process_group(process_group, "Aggregator")
         self._pg = process_group
         self._fetch = fetch
         self.pg_name = pg_name
-        self.last_seq = 0
         self.lock = threading.Lock()
+        self.lost = 0  # records that left the ring before they were read (default fetch only)
+        self._last_key: Optional[tuple] = None  # content key of the last record counted
+        self._source: Any = None  # weakref to the ProcessGroup read last (default fetch)
+        self._built = 0  # the group's records built as of the end of the last read (default fetch)
         # (pg, op, group) -> sums
         self.sums: Dict[Tuple[str, str, str], Dict[str, float]] = {}
         self.peer_wait: Dict[Tuple[str, str], float] = {}
 
-    def _records(self) -> List[dict]:
+    def _records(self) -> Tuple[List[dict], Optional[Tuple[int, int]]]:
+        """(records, (built before, built after) the read, or None when not known)."""
         if self._fetch is not None:
-            return self._fetch()
-        import xirang
+            return list(self._fetch()), None
+        import torch.distributed as dist
 
-        return xirang.stats(self._pg)
+        from ._backend import backend_for
+
+        pg = self._pg if self._pg is not None else dist.distributed_c10d._get_default_group()
+        be = backend_for(pg)
+        if self._source is None or self._source() is not pg:  # a new group: count it from its start
+            self._source = weakref.ref(pg)
+            self._last_key = None
+            self._built = 0
+        before = int(be.record_cost()["records"])
+        recs = list(be.records())
+        after = int(be.record_cost()["records"])
+        return recs, (before, after)
 
     def update(self) -> List[dict]:
-        """Fold new records into the sums; returns them."""
+        """Fold the records not counted yet into the sums; returns them, oldest first."""
         with self.lock:
-            new = [r for r in self._records() if int(r.get("seq", 0) or 0) > self.last_seq]
+            recs, built = self._records()
+            new = recs
+            if self._last_key is not None:
+                for i in range(len(recs) - 1, -1, -1):
+                    if _key(recs[i]) == self._last_key:
+                        new = recs[i + 1:]
+                        break
+            if built is not None:
+                before, after = built
+                if new is recs:  # the last record counted is gone (or none was): were records lost?
+                    # a lower bound: `before` is at most the records built up to the read, and
+                    # self._built at least those built up to the previous read
+                    missed = before - self._built - len(recs)
+                    if missed > 0:
+                        self.lost += missed
+                        log.warning(
+                            "xirang.exporters: at least %d operation records could not be counted: they left the "
+                            "ring of XIRANG_STATS_CAPACITY records per group (or were cleared) before the "
+                            "exporter read them; raise XIRANG_STATS_CAPACITY or read (scrape / write) more "
+                            "often", missed)
+                self._built = after
+            if recs:
+                self._last_key = _key(recs[-1])
             for r in new:
-                self.last_seq = max(self.last_seq, int(r.get("seq", 0) or 0))
                 pg = str(r.get("pg", self.pg_name))
                 k = (pg, str(r.get("op", "?")), _group_of(r))
                 s = self.sums.setdefault(k, {"ops": 0.0, "failed": 0.0, "bytes_raw": 0.0, "bytes_wire": 0.0,
@@ -88,7 +159,7 @@ class Aggregator:
                 for p in r.get("peers") or []:
                     pk = (pg, str(p.get("peer")))
                     self.peer_wait[pk] = self.peer_wait.get(pk, 0.0) + float(p.get("recv_s", 0.0) or 0.0)
-            return new
+            return list(new)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,10 +216,12 @@ def start_prometheus(port: Optional[int] = None, process_group=None, addr: str =
 
     port: default XIRANG_PROMETHEUS_PORT + LOCAL_RANK (one port per process on a host); 0: no
     HTTP server (the metrics are only registered in ``registry``).
-    Records are read at each scrape. Returns the Aggregator behind the metrics. Raises
-    ValueError for a port outside 0..65535 or an XIRANG_PROMETHEUS_PORT that is not an integer
-    (naming it), and for a second call with the same registry (every metric family would be
-    served twice), before anything is registered; OSError for a port in use.
+    Records are read at each scrape. Returns the Aggregator behind the metrics. Raises, before
+    anything is registered: ValueError for a port outside 0..65535 or an XIRANG_PROMETHEUS_PORT
+    that is not an integer (naming it), and for a second call with the same registry (every
+    metric family would be served twice); TypeError for a process_group that is neither None nor
+    a torch.distributed ProcessGroup; OSError (the errno of the failure, e.g. EADDRINUSE) naming
+    addr:port and what to change when the HTTP server cannot listen there (a port in use).
     """
     try:
         import prometheus_client
@@ -172,13 +245,20 @@ def start_prometheus(port: Optional[int] = None, process_group=None, addr: str =
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"xirang.exporters.start_prometheus: port must be an int in 0..65535 (0: no HTTP server), "
                          f"got {port!r}{where}")
+    _check_process_group(process_group, "start_prometheus")
     reg = registry if registry is not None else prometheus_client.REGISTRY
     if reg in _REGISTERED:  # a second collector would serve every metric family twice
         raise ValueError("xirang.exporters.start_prometheus: xirang's metrics are already registered in this "
                          "registry (call it once per process; pass registry= for a second set)")
     agg = Aggregator(process_group, fetch)
     if port > 0:  # first: a port in use (OSError) leaves nothing registered
-        prometheus_client.start_http_server(port, addr=addr, registry=reg)
+        try:
+            prometheus_client.start_http_server(port, addr=addr, registry=reg)
+        except OSError as e:
+            knob = ("set XIRANG_PROMETHEUS_PORT to another base port" if where else "pass another port=")
+            msg = (f"xirang.exporters.start_prometheus: cannot serve metrics on {addr}:{port}{where}: "
+                   f"{e.strerror or e}; {knob} (port=0: no HTTP server), or another addr=")
+            raise (OSError(e.errno, msg) if e.errno is not None else OSError(msg)) from e
     reg.register(_Collector(agg))
     _REGISTERED[reg] = agg
     return agg
@@ -191,10 +271,18 @@ def start_prometheus(port: Optional[int] = None, process_group=None, addr: str =
 
 class TensorBoardExporter:
     """Write scalars of the records that appeared since the last write: per layer group (or op
-    kind outside the hook) mean phase times in ms per operation, bytes; and the op count."""
+    kind outside the hook) mean phase times in ms per operation, bytes; and the op count.
+
+    log_dir: the SummaryWriter's directory (None: its default, runs/...); writer: any object with
+    ``add_scalar(tag, value, step)`` and ``close()`` instead of a SummaryWriter. Raises TypeError,
+    before any event file is created, for a process_group that is neither None (the default
+    group) nor a torch.distributed ProcessGroup.
+    """
 
     def __init__(self, log_dir: Optional[str] = None, process_group=None, writer: Any = None,
                  fetch: Optional[Callable[[], List[dict]]] = None):
+        _check_process_group(process_group, "TensorBoardExporter")
+        self._closed = False
         if writer is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -220,6 +308,11 @@ class TensorBoardExporter:
         return out
 
     def write(self, step: int) -> Dict[str, float]:
+        """Add the scalars of the records since the last write at ``step``; returns them (tag ->
+        value; times in ms, bytes in bytes). Raises RuntimeError after close()."""
+        if self._closed:
+            raise RuntimeError("xirang.exporters.TensorBoardExporter.write: the exporter is closed "
+                               "(close() was called); create a new TensorBoardExporter to write again")
         new = self.agg.update()
         sc = self.scalars(new)
         for tag, v in sc.items():
@@ -227,4 +320,8 @@ class TensorBoardExporter:
         return sc
 
     def close(self) -> None:
+        """Close the writer (flushes the event file). A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.writer.close()

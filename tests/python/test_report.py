@@ -725,6 +725,282 @@ def test_exporters_missing_packages_say_what_to_install(monkeypatch):
         exporters.TensorBoardExporter("/tmp/none")
 
 
+# --- exporters: found by a new user (p2p records never counted, frozen after re-init, argument
+# checks, write after close, port in use) ---
+
+
+def w_exp_init(prefix, env=None):
+    """Join a default xirang group through its own store prefix (so it can be created again)."""
+    import torch.distributed as dist
+
+    for k, v in (env or {}).items():
+        os.environ[k] = v
+    try:
+        dist.init_process_group("xirang", store=dist.PrefixStore(prefix, W.store), rank=W.rank,
+                                world_size=W.world_size, timeout=datetime.timedelta(seconds=30))
+    finally:
+        for k in env or {}:
+            os.environ.pop(k, None)
+    return True
+
+
+def _exp_sums(agg):
+    return {k: dict(v) for k, v in agg.sums.items()}
+
+
+def w_exp_p2p():
+    import torch
+    import torch.distributed as dist
+
+    import xirang
+    from xirang import exporters
+
+    agg = exporters.Aggregator()
+    t = torch.ones(1000)
+    peer = 1 - W.rank
+
+    def p2p(n):
+        if W.rank == 0:
+            dist.send(torch.ones(n), peer)
+        else:
+            dist.recv(torch.empty(n), peer)
+
+    dist.all_reduce(t)
+    p2p(10)
+    dist.all_reduce(t)
+    dist.barrier()
+    n1 = len(agg.update())
+    p2p(25)
+    dist.all_reduce(t)
+    n2 = len(agg.update())
+    n3 = len(agg.update())
+    return {"n": [n1, n2, n3], "sums": _exp_sums(agg), "recs": xirang.stats(), "lost": getattr(agg, "lost", None)}
+
+
+def w_exp_reinit():
+    import torch
+    import torch.distributed as dist
+
+    import xirang
+    from xirang import exporters
+
+    agg = exporters.Aggregator()
+    t = torch.ones(100)
+    for _ in range(5):
+        dist.all_reduce(t)
+    n1 = len(agg.update())
+    first = xirang.stats()
+    dist.destroy_process_group()
+    w_exp_init("exp_reinit_2")
+    for _ in range(3):
+        dist.all_reduce(t)
+    n2 = len(agg.update())
+    return {"n": [n1, n2], "sums": _exp_sums(agg), "first": first, "second": xirang.stats(),
+            "lost": getattr(agg, "lost", None)}
+
+
+def w_exp_wrap():
+    """A group keeping 4 records: 3 ops read, then 10 ops between two reads, then 2 more."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    import xirang
+    from xirang import exporters
+
+    msgs = []
+
+    class H(logging.Handler):
+        def emit(self, rec):
+            msgs.append(rec.getMessage())
+
+    h = H(level=logging.WARNING)
+    logging.getLogger("xirang").addHandler(h)
+    try:
+        agg = exporters.Aggregator()
+        t = torch.ones(100)
+        out = {}
+        for step, k in enumerate((3, 10, 2)):
+            for _ in range(k):
+                dist.all_reduce(t)
+            out[f"n{step}"] = len(agg.update())
+            out[f"lost{step}"] = getattr(agg, "lost", None)
+            out[f"msgs{step}"] = list(msgs)
+        out["ops"] = agg.sums[("", "all_reduce", "-")]["ops"]
+        out["built"] = xirang._backend_for(None).record_cost()["records"]
+        out["kept"] = len(xirang.stats())
+        return out
+    finally:
+        logging.getLogger("xirang").removeHandler(h)
+
+
+def _exp_pool(fn, prefix, env=None):
+    with mp_pool.Pool(2, "xirang", init=False, timeout_s=30) as pool:
+        pool.run(w_exp_init, prefix, env, timeout=30)
+        res = pool.run(fn, timeout=30)
+        pool.run(w_destroy, timeout=30)
+    return res
+
+
+def _count(recs):
+    """Per op: [records, bytes_wire, bytes_raw, total_s], counted here from the records."""
+    out = {}
+    for r in recs:
+        c = out.setdefault(r["op"], [0, 0, 0, 0.0])
+        c[0] += 1
+        c[1] += r["bytes_wire"]
+        c[2] += r["bytes_raw"]
+        c[3] += r["total_s"]
+    return out
+
+
+def _check_sums(sums, recs):
+    want = _count(recs)
+    got = {op: [s["ops"], s["bytes_wire"], s["bytes_raw"], s["total_s"]] for (_, op, _), s in sums.items()}
+    assert set(got) == set(want), (got, want)
+    for op, w in want.items():
+        assert got[op][:3] == w[:3], (op, got[op], w)
+        assert math.isclose(got[op][3], w[3], rel_tol=1e-9, abs_tol=1e-12), (op, got[op], w)
+
+
+def test_exporters_count_point_to_point_records():
+    """Found by a new user: send/recv records carry seq 0 and the exporters (which kept only
+    seq > the last seq) never counted them: 2 all_reduce + send/recv + barrier gave 3 ops."""
+    res = _exp_pool(w_exp_p2p, "exp_p2p")
+    for rank, r in enumerate(res):
+        recs = r["recs"]
+        p2p = "send" if rank == 0 else "recv"
+        assert [x["op"] for x in recs].count(p2p) == 2 and all(x["seq"] == 0 for x in recs if x["op"] == p2p)
+        assert len(recs) == 6, [(x["seq"], x["op"]) for x in recs]
+        assert r["n"] == [4, 2, 0], r["n"]  # each record once, across reads
+        _check_sums(r["sums"], recs)
+        assert r["lost"] == 0
+    sent = _count(res[0]["recs"])["send"]
+    assert sent[1] == (10 + 25) * 4, sent  # the send's payload is in bytes_wire
+
+
+def test_exporters_count_a_recreated_default_group():
+    """Found by a new user: after destroy_process_group + init_process_group the new group's seq
+    restarts at 1 and the exporters, waiting for a seq above the old group's last, froze."""
+    res = _exp_pool(w_exp_reinit, "exp_reinit_1")
+    for r in res:
+        assert [x["seq"] for x in r["second"]] == [1, 2, 3]
+        assert r["n"] == [5, 3], r["n"]
+        _check_sums(r["sums"], r["first"] + r["second"])
+        assert r["lost"] == 0
+
+
+def test_exporters_say_how_many_records_left_the_ring():
+    """A ring of XIRANG_STATS_CAPACITY=4 records and 10 ops between two reads: 6 cannot be counted,
+    and a WARNING says so (once, with the number); what is still in the ring is counted once."""
+    res = _exp_pool(w_exp_wrap, "exp_wrap", env={"XIRANG_STATS_CAPACITY": "4"})
+    for r in res:
+        assert r["built"] == 15 and r["kept"] == 4, r
+        assert (r["n0"], r["n1"], r["n2"]) == (3, 4, 2), r
+        assert (r["lost0"], r["lost1"], r["lost2"]) == (0, 6, 6), r
+        assert r["ops"] + r["lost2"] == r["built"]
+        assert r["msgs0"] == [] and len(r["msgs1"]) == 1 and r["msgs2"] == r["msgs1"], r
+        assert "at least 6 operation records could not be counted" in r["msgs1"][0]
+        assert "XIRANG_STATS_CAPACITY" in r["msgs1"][0]
+
+
+def test_exporters_fed_records_count_seq0_and_a_seq_restart():
+    """The same with records fed through fetch=: seq-0 records count, a restart from seq 1 too."""
+    from xirang import exporters
+
+    fed = [_rec(0, 1), _rec(0, 0, op="send", t_enqueue=0.15, bytes_wire=40), _rec(0, 2)]
+    agg = exporters.Aggregator(fetch=lambda: list(fed))
+    assert len(agg.update()) == 3
+    fed.append(_rec(0, 0, op="send", t_enqueue=0.25, bytes_wire=60))
+    assert [x["op"] for x in agg.update()] == ["send"]
+    assert agg.update() == []
+    fed[:] = [_rec(0, 1, t_enqueue=0.01, total=0.5), _rec(0, 2, t_enqueue=0.02, total=0.5)]  # a new group
+    assert len(agg.update()) == 2
+    send = agg.sums[("0", "send", "-")]
+    assert send["ops"] == 2 and send["bytes_wire"] == 100
+    assert agg.sums[("0", "all_reduce", "-")]["ops"] == 4
+
+
+class _FakeWriter:
+    def __init__(self):
+        self.calls, self.closed = [], 0
+
+    def add_scalar(self, tag, v, step):
+        self.calls.append((tag, v, step))
+
+    def close(self):
+        self.closed += 1
+
+
+@pytest.mark.parametrize("bad", ["notagroup", 0, object()])
+def test_exporters_reject_a_bad_process_group(bad):
+    """Found by a new user: process_group="notagroup" was accepted and write() failed later with
+    an unclear TypeError. Checked at construction, before a writer or a metric exists."""
+    from xirang import exporters
+
+    with pytest.raises(TypeError, match=r"TensorBoardExporter: process_group must be None .* ProcessGroup, got"):
+        exporters.TensorBoardExporter(writer=_FakeWriter(), process_group=bad)
+    with pytest.raises(TypeError, match="TensorBoardExporter: process_group"):  # not the ImportError
+        exporters.TensorBoardExporter("/nonexistent/xirang_tb", process_group=bad)
+    with pytest.raises(TypeError, match="Aggregator: process_group"):
+        exporters.Aggregator(process_group=bad)
+    prom = pytest.importorskip("prometheus_client", reason="prometheus_client not installed (optional)")
+    reg = prom.CollectorRegistry()
+    with pytest.raises(TypeError, match="start_prometheus: process_group"):
+        exporters.start_prometheus(port=0, registry=reg, process_group=bad)
+    assert list(reg._collector_to_names) == []
+
+
+def test_tensorboard_write_after_close_raises():
+    """Found by a new user: write() after close() silently opened a second event file."""
+    from xirang import exporters
+
+    w = _FakeWriter()
+    tb = exporters.TensorBoardExporter(writer=w, fetch=lambda: [_rec(0, 1)])
+    assert tb.write(0)["xirang/ops"] == 1.0
+    n = len(w.calls)
+    tb.close()
+    tb.close()  # a second close is fine
+    with pytest.raises(RuntimeError, match=r"TensorBoardExporter.write: the exporter is closed"):
+        tb.write(1)
+    assert len(w.calls) == n and w.closed == 1
+
+
+@pytest.mark.parametrize("from_env", [False, True])
+def test_prometheus_port_in_use_names_it(monkeypatch, from_env):
+    """Found by a new user: a port in use gave a bare '[Errno 98] Address already in use'."""
+    import errno
+    import socket
+
+    prom = pytest.importorskip("prometheus_client", reason="prometheus_client not installed (optional)")
+    from xirang import exporters
+
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        reg = prom.CollectorRegistry()
+        if from_env:
+            monkeypatch.setenv("XIRANG_PROMETHEUS_PORT", str(port))
+            monkeypatch.setenv("LOCAL_RANK", "0")
+        with pytest.raises(OSError) as ei:
+            exporters.start_prometheus(port=None if from_env else port, addr="127.0.0.1", registry=reg,
+                                       fetch=lambda: [])
+    finally:
+        s.close()
+    e = ei.value
+    assert e.errno == errno.EADDRINUSE, e
+    msg = str(e)
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in msg, msg
+    if from_env:
+        assert f"XIRANG_PROMETHEUS_PORT {port} + LOCAL_RANK 0" in msg and "set XIRANG_PROMETHEUS_PORT" in msg, msg
+    else:
+        assert "pass another port=" in msg, msg
+    assert list(reg._collector_to_names) == []
+
+
 def _report_cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "xirang.report", *args], capture_output=True, text=True,
                           timeout=120, cwd=cwd)
