@@ -554,9 +554,12 @@ class FSDPCompressor:
         Resets (to zero, with a WARNING on logger ``xirang`` naming the group and why) instead
         of loading when the checkpoint's world size differs, when a group's residual is missing,
         or when its shape differs (the parameter group changed), and also when the checkpoint was
-        saved with another wire format (its residuals hold another rounding's errors). Raises
-        ``TypeError`` for a value that is not such a dict (a dict with ``"residuals"`` a dict of
-        tensors, integer sizes), before anything is loaded.
+        saved with another wire format (its residuals hold another rounding's errors).
+
+        Everything is checked before anything changes: ``TypeError`` for a value that is not such
+        a dict (a dict with ``"residuals"`` a dict of tensors, integer sizes); ``ValueError``
+        naming the key for a residual holding NaN or infinity (the next step's gradients would be
+        non-finite).
         """
         def bad_type(what: str) -> TypeError:
             return TypeError(f"xirang.fsdp: load_state_dict expects FSDPCompressor.state_dict()'s dict, {what}")
@@ -573,6 +576,10 @@ class FSDPCompressor:
         for k, v in sizes.items():
             if isinstance(v, bool) or not isinstance(v, int):
                 raise bad_type(f"got {k} {v!r}")
+        for k, v in res.items():
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"xirang.fsdp: load_state_dict: residual {k!r} holds non-finite values (NaN or "
+                                 "infinity: the next step's gradients would be non-finite); nothing was loaded")
         saved_ws, saved_rs = sizes["world_size"], sizes["replicate_size"]
         saved_wire = state_dict.get("wire", self.wire)
         for name, c in self.comms.items():
@@ -702,7 +709,8 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
             compression: the input in its own dtype on the wire, the same fp32 sum; for
             ablations and as the exact reference).
         error_feedback: keep residuals (default). ``False``: plain bf16 / int8 rounding (for
-            ablations). Ignored with ``wire="fp32"``.
+            ablations). Ignored with ``wire="fp32"``. A ``bool`` (``TypeError`` otherwise: the
+            string ``"no"`` would be true).
         residual_dtype: ``torch.float32`` (default) or ``torch.bfloat16``. Memory per rank:
             the residual has the size of FSDP's padded reduce-scatter input, i.e. the unsharded
             gradient of every group: 4 bytes per element for fp32, 2 for bf16 (on top of FSDP's
@@ -739,7 +747,9 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
         ValueError: bad ``wire`` / ``residual_dtype``, no FSDP module under ``module``, a
             module with several parameter groups, ``replicate_group`` with a 2-D mesh or a
             shard dimension of size 1. TypeError: ``module`` not an ``nn.Module``,
-            ``replicate_group`` not a ProcessGroup, or not served by xirang (``wire="bf16"``). NotImplementedError: a replicate-only mesh
+            ``error_feedback`` not a ``bool``, ``replicate_group`` not a ProcessGroup, or not
+            served by xirang with ``wire="bf16"`` or ``"int8"`` (checked here, before anything
+            changes, not at the first backward). NotImplementedError: a replicate-only mesh
             (``replicate()``: no reduce-scatter). ImportError: a torch without FSDP2 custom comms (< 2.9).
     """
     if FSDPModule is None:
@@ -747,6 +757,9 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
     if not isinstance(module, nn.Module):
         raise TypeError(f"xirang.fsdp.compress: module must be an nn.Module (the fully_shard model), "
                         f"got {type(module).__name__}")
+    if not isinstance(error_feedback, bool):  # bool("no") is True: a string would turn it on
+        raise TypeError(f"xirang.fsdp.compress: error_feedback must be True or False, "
+                        f"got {type(error_feedback).__name__} {error_feedback!r}")
     if replicate_group is not None and not isinstance(replicate_group, dist.ProcessGroup):
         raise TypeError(f"xirang.fsdp.compress: replicate_group must be a torch.distributed ProcessGroup or None, "
                         f"got {type(replicate_group).__name__}")
@@ -780,10 +793,15 @@ def compress(module: nn.Module, wire: str = "bf16", error_feedback: bool = True,
             raise ValueError("xirang.fsdp.compress: replicate_group goes with fully_shard on a 1-D shard mesh; "
                              "this module is on a 2-D (native HSDP) mesh")
         rep = replicate_group.size()
-        if wire == "bf16":
+        if wire in ("bf16", "int8"):  # the all-reduce hook runs xirang's compressed all-reduce
             from ._backend import backend_for  # noqa: PLC0415
 
-            backend_for(replicate_group)  # TypeError now, naming the backend, if not xirang
+            try:
+                backend_for(replicate_group)
+            except TypeError as e:  # now, not in the middle of the first backward
+                raise TypeError(f"xirang.fsdp.compress: replicate_group must be served by the xirang backend "
+                                f"with wire={wire!r} (its replicate all-reduce is xirang's compressed one; "
+                                f"wire='fp32' takes any backend): {e}") from None
         with torch.no_grad():  # the replicas start equal (FSDP broadcasts nothing across them)
             for _name, _st, pg in groups:
                 for fp in pg.fsdp_params:

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -432,6 +433,69 @@ def w_errors():
     x, y = batch(0, 0, _rank())
     cap("factor_changed", lambda: loss_of(net(x), y).backward())
     return out
+
+
+def w_replicate_group_backend():
+    """compress(replicate_group=<a gloo group>) per wire, on a fresh sharded net each: what it
+    raised (or None) and whether a xirang comm got installed. The replicate group is this rank
+    alone (a replicate dimension of size 1: its broadcast of the shards is valid, which the pool's
+    gloo group over the shard ranks would not be)."""
+    import xirang
+    from xirang.fsdp import XirangReduceScatter, _fsdp_groups
+
+    ws = dist.get_world_size(mp_pool.group())
+    rep = [dist.new_group([r], backend="gloo") for r in range(ws)][_rank()]  # every rank makes every group
+    out = {}
+    for wire in ("bf16", "int8", "fp32"):
+        net = make_net(0)
+        _shard(net, _mesh())
+        r = mp_pool.capture(xirang.fsdp.compress, net, wire=wire, replicate_group=rep)
+        installed = [isinstance(pg._reduce_scatter_comm, XirangReduceScatter) for _, _, pg in _fsdp_groups(net)]
+        out[wire] = {"error": str(r) if isinstance(r, mp_pool.ExcInfo) else None,
+                     "type": r.type_name if isinstance(r, mp_pool.ExcInfo) else None,
+                     "installed": installed}
+    return out
+
+
+def w_load_nonfinite():
+    """load_state_dict of a checkpoint whose last residual holds a NaN / inf / -inf (also with
+    another world size, which would reset): what each raised; whether the live residuals and the
+    reset counts stayed as they were; then a finite load still restores."""
+    import xirang
+
+    net = make_net(0)
+    _shard(net, _mesh())
+    comp = xirang.fsdp.compress(net)
+
+    def step(t):
+        net.zero_grad(set_to_none=True)
+        x, y = batch(0, t, _rank())
+        loss_of(net(x), y).backward()
+
+    step(0)
+    step(1)
+    sd = comp.state_dict()
+    sd = dict(sd, residuals={k: v.clone() for k, v in sd["residuals"].items()})
+    step(2)  # the live residuals move on: a partial load would show
+    before = {k: v.clone() for k, v in comp.residuals.items()}
+    resets = [c.resets for c in comp.comms.values()]
+    last = list(sd["residuals"])[-1]  # checked last: groups before it would already be loaded
+    errors, kept = {}, {}
+    for label, value, ws_delta in (("nan", float("nan"), 0), ("inf", float("inf"), 0),
+                                   ("-inf", float("-inf"), 0), ("nan+ws", float("nan"), 1)):
+        bad = dict(sd["residuals"])
+        bad[last] = bad[last].clone()
+        bad[last][0] = value
+        r = mp_pool.capture(comp.load_state_dict, dict(sd, residuals=bad, world_size=sd["world_size"] + ws_delta))
+        errors[label] = f"{r.type_name}: {r.message}" if isinstance(r, mp_pool.ExcInfo) else None
+        kept[label] = (all(torch.equal(before[k].view(torch.int32), v.view(torch.int32))
+                           for k, v in comp.residuals.items())
+                       and [c.resets for c in comp.comms.values()] == resets)
+    comp.load_state_dict(sd)
+    restored = all(torch.equal(sd["residuals"][comp._key(k)].view(torch.int32), v.view(torch.int32))
+                   for k, v in comp.residuals.items())
+    return {"errors": errors, "kept": kept, "last": last, "restored": restored, "changed": any(
+        not torch.equal(before[k], sd["residuals"][comp._key(k)]) for k in before)}
 
 
 def w_async():
@@ -881,6 +945,38 @@ def test_errors_are_clear(pool, ws):
 
 
 @pytest.mark.parametrize("ws", [2])
+def test_replicate_group_not_served_by_xirang_fails_at_compress(pool, ws):
+    """bf16 and int8 run xirang's compressed all-reduce in the replicate hook: a gloo
+    replicate_group is a TypeError at compress() naming the argument, the wire and the backend
+    (int8 used to be accepted and to fail in the middle of the first backward), and nothing is
+    installed; fp32 (a plain AVG all-reduce) takes any backend."""
+    res = pool.run(w_replicate_group_backend)
+    for r, out in enumerate(res):
+        for wire in ("int8", "bf16"):
+            e = out[wire]
+            assert e["type"] == "TypeError", (r, wire, e)
+            assert "xirang.fsdp.compress: replicate_group must be served by the xirang backend" in e["error"], e
+            assert f"wire={wire!r}" in e["error"] and "got 'gloo'" in e["error"], e
+            assert e["installed"] == [False, False, False], (r, wire, e)
+        assert out["fp32"]["error"] is None and out["fp32"]["installed"] == [True, True, True], out["fp32"]
+
+
+@pytest.mark.parametrize("ws", [2])
+def test_load_state_dict_refuses_nonfinite_residuals(pool, ws):
+    """A NaN or infinite residual in a checkpoint is a ValueError naming its key, raised before
+    anything changes (no group loaded or reset, even when the world size differs); a finite
+    checkpoint then loads bitwise."""
+    res = pool.run(w_load_nonfinite)
+    for r, out in enumerate(res):
+        assert out["changed"], "the live residuals must differ from the checkpoint's for the test to see a load"
+        for label, e in out["errors"].items():
+            assert e is not None and e.startswith("ValueError: "), (r, label, e)
+            assert f"residual {out['last']!r} holds non-finite values" in e, (r, label, e)
+            assert out["kept"][label], (r, label)
+        assert out["restored"]
+
+
+@pytest.mark.parametrize("ws", [2])
 def test_recompress_takes_a_new_factor(pool, ws):
     res = pool.run(w_recompress)
     mean, _ = ref_grads(ws, 0)
@@ -1184,6 +1280,20 @@ def test_compress_rejects_bad_arguments():
         xirang.fsdp.compress(nn.Linear(2, 2), replicate_group=5)
     with pytest.raises(ValueError, match="wire must be one of"):
         xirang.fsdp.compress(nn.Linear(2, 2), wire=["bf16"])
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None, 1.0])
+def test_compress_error_feedback_must_be_a_bool(value):
+    """error_feedback="no" used to turn error feedback on (bool() of the string): anything but a
+    bool is a TypeError naming the argument and the value, before the module is looked at."""
+    import xirang
+
+    with pytest.raises(TypeError, match=rf"error_feedback must be True or False, got {type(value).__name__} "
+                                        rf"{re.escape(repr(value))}"):
+        xirang.fsdp.compress(nn.Linear(2, 2), error_feedback=value)
+    for ok in (True, False):  # bools pass on to the next check
+        with pytest.raises(ValueError, match="no FSDP module"):
+            xirang.fsdp.compress(nn.Linear(2, 2), error_feedback=ok)
 
 
 @pytest.mark.dedicated

@@ -2,6 +2,7 @@
 the slowest rank and the slowest link (the package docstring says how each is derived)."""
 from __future__ import annotations
 
+import bisect
 import statistics
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -47,14 +48,19 @@ def _assign_steps(pg_recs: List[dict]) -> Tuple[str, Dict[int, int]]:
                     spans.append([int(r["seq"]), int(r["seq"])])
                 seen.add(gid)
                 spans[step][1] = int(r["seq"])
+        # The spans are in seq order and overlap at most at an end (a step starts at or after the
+        # last seq of the one before, its end never precedes its start): the first span that
+        # holds s is the first one ending at or after s, if it starts at or before s. A binary
+        # search per record (O(n log n) in all; a scan of every span per record was quadratic in
+        # the number of steps: 45,000 records per rank took 36 s).
+        ends = [b for _, b in spans]
         for r in lst:
             s = int(r["seq"])
             if s in seq_step:
                 continue
-            for i, (a, b) in enumerate(spans):
-                if a <= s <= b:
-                    seq_step[s] = i
-                    break
+            i = bisect.bisect_left(ends, s)
+            if i < len(spans) and spans[i][0] <= s:
+                seq_step[s] = i
     return "hook", seq_step
 
 

@@ -73,6 +73,8 @@ def load_records(path: str) -> Tuple[List[dict], List[str]]:
     skipped and counted: one warning per file names how many of its
     lines were unreadable and the first few of them. Blank lines are ignored.
     Bytes that are not UTF-8 are read as U+FFFD (such a line is then usually unreadable JSON).
+    When a directory's files yield no record at all, a warning also names those that hold no
+    line (empty, or blank lines only), so that the caller can say the files are there but empty.
     Raises FileNotFoundError when ``path`` does not exist, OSError when a file cannot be read.
     """
     if os.path.isdir(path):
@@ -89,8 +91,10 @@ def load_records(path: str) -> Tuple[List[dict], List[str]]:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
     recs: List[dict] = []
     warns: List[str] = []
+    no_lines: List[Tuple[str, bool]] = []  # (file name, whether it holds blank lines) of files without a line
     for f in files:
         lines = 0
+        i = 0
         bad: List[str] = []
         with open(f, encoding="utf-8", errors="replace") as fh:
             for i, line in enumerate(fh, 1):
@@ -119,6 +123,17 @@ def load_records(path: str) -> Tuple[List[dict], List[str]]:
             more = f"; {len(bad) - 3} more" if len(bad) > 3 else ""
             warns.append(f"{os.path.basename(f)}: {len(bad)} of {lines} lines unreadable, skipped "
                          f"({'; '.join(bad[:3])}{more})")
+        if lines == 0:
+            no_lines.append((os.path.basename(f), i > 0))
+    if not recs and no_lines and os.path.isdir(path):
+        names = ", ".join(n for n, _ in no_lines[:8]) + (", ..." if len(no_lines) > 8 else "")
+        blank = any(b for _, b in no_lines)
+        if len(no_lines) == 1:
+            what = "blank lines only" if blank else "the file is empty"
+            warns.append(f"{names} holds no records ({what})")
+        else:
+            what = "empty, or blank lines only" if blank else "the files are empty"
+            warns.append(f"{len(no_lines)} rank files hold no records ({what}): {names}")
     return recs, warns
 
 
