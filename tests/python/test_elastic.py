@@ -575,14 +575,14 @@ def live_rank_spare_main(port: int, prefix: str, world_size: int = 2) -> None:
     store.set("spare_done", "1")
 
 
-def test_a_spare_for_a_live_rank_says_that_rank_is_alive():
-    """Found by a new user: a spare started with the RANK of a live rank waited the whole group
-    timeout and then said only that the live ranks admit spares with admit_joiners()."""
+def _spare_beside_two_live_ranks(extra_args: str):
+    """Two live ranks and a spare running live_rank_spare_main(port, prefix<extra_args>): the live
+    ranks' results, the spare's stdout and stderr."""
     import subprocess
 
     env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="0.5")
     with mp_pool.Pool(2, "xirang", timeout_s=60, env=env) as pool:
-        spare = _start_spare(f"live_rank_spare_main({pool.store.port}, {pool.prefix!r})", env,
+        spare = _start_spare(f"live_rank_spare_main({pool.store.port}, {pool.prefix!r}{extra_args})", env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             res = pool.run(w_live_until_the_spare_gave_up, timeout=120)
@@ -590,6 +590,13 @@ def test_a_spare_for_a_live_rank_says_that_rank_is_alive():
         finally:
             if spare.poll() is None:
                 spare.kill()
+    return res, out, err
+
+
+def test_a_spare_for_a_live_rank_says_that_rank_is_alive():
+    """Found by a new user: a spare started with the RANK of a live rank waited the whole group
+    timeout and then said only that the live ranks admit spares with admit_joiners()."""
+    res, out, err = _spare_beside_two_live_ranks("")
     assert res == [0, 1]
     assert "ERROR" not in out and "spare error after" in out, out + err
     assert "rank 1 is alive (its heartbeat advanced while this spare waited)" in out, out + err
@@ -600,18 +607,7 @@ def test_a_spare_for_a_live_rank_says_that_rank_is_alive():
 def test_a_spare_with_another_world_size_says_so_at_once():
     """Found by a new user: a spare started with WORLD_SIZE=3 for a group of 2 waited in silence for
     a third rank's label, then failed with the store's bare timeout."""
-    import subprocess
-
-    env = dict(XIRANG_ELASTIC="1", XIRANG_HEARTBEAT_S="0.5")
-    with mp_pool.Pool(2, "xirang", timeout_s=60, env=env) as pool:
-        spare = _start_spare(f"live_rank_spare_main({pool.store.port}, {pool.prefix!r}, world_size=3)", env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            res = pool.run(w_live_until_the_spare_gave_up, timeout=120)
-            out, err = spare.communicate(timeout=60)
-        finally:
-            if spare.poll() is None:
-                spare.kill()
+    res, out, err = _spare_beside_two_live_ranks(", world_size=3")
     assert res == [0, 1]
     assert "this spare's world size is 3, but group '0' has 2 ranks" in out, out + err
     waited = float(out.split("spare error after ")[1].split(" s")[0])

@@ -297,7 +297,9 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def w_state_dict():
+def _compressed_net():
+    """make_net(0) sharded over the 1-D mesh and compressed (bf16 + error feedback): (net, comp,
+    step), step(t) one backward of batch t."""
     import xirang
 
     net = make_net(0)
@@ -308,6 +310,12 @@ def w_state_dict():
         net.zero_grad(set_to_none=True)
         x, y = batch(0, t, _rank())
         loss_of(net(x), y).backward()
+
+    return net, comp, step
+
+
+def w_state_dict():
+    net, comp, step = _compressed_net()
 
     for t in range(3):
         step(t)
@@ -380,16 +388,7 @@ def w_dcp(path):
     """The compressor's state_dict through torch.distributed.checkpoint (save, then load in place)."""
     import torch.distributed.checkpoint as dcp
 
-    import xirang
-
-    net = make_net(0)
-    _shard(net, _mesh())
-    comp = xirang.fsdp.compress(net)
-
-    def step(t):
-        net.zero_grad(set_to_none=True)
-        x, y = batch(0, t, _rank())
-        loss_of(net(x), y).backward()
+    net, comp, step = _compressed_net()
 
     step(0)
     step(1)
@@ -461,16 +460,7 @@ def w_load_nonfinite():
     """load_state_dict of a checkpoint whose last residual holds a NaN / inf / -inf (also with
     another world size, which would reset): what each raised; whether the live residuals and the
     reset counts stayed as they were; then a finite load still restores."""
-    import xirang
-
-    net = make_net(0)
-    _shard(net, _mesh())
-    comp = xirang.fsdp.compress(net)
-
-    def step(t):
-        net.zero_grad(set_to_none=True)
-        x, y = batch(0, t, _rank())
-        loss_of(net(x), y).backward()
+    net, comp, step = _compressed_net()
 
     step(0)
     step(1)
