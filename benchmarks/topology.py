@@ -169,6 +169,22 @@ def worker() -> int:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
+    def rotate_timed(names, step, warmup: int, steps: int) -> dict:
+        """`warmup` untimed step(n) of every name, then `steps` rounds in which the names take
+        turns (the order rotates), each step after a barrier: name -> the slowest rank's seconds."""
+        for _ in range(warmup):
+            for n in names:
+                step(n)
+        times = {n: [] for n in names}
+        for i in range(steps):
+            k = i % len(names)
+            for n in names[k:] + names[:k]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(n)
+                times[n].append(slowest(time.perf_counter() - t0))
+        return times
+
     def total(v: float) -> float:
         t = torch.tensor([v], dtype=torch.float64)
         dist.all_reduce(t)
@@ -281,16 +297,7 @@ def worker() -> int:
             loss.backward()
             opt.step()
 
-        times = {m: [] for m in ddp_methods}
-        for m in ddp_methods:  # warm-up (hook state, buckets)
-            step(m)
-        for i in range(cfg["ddp_steps"]):
-            k = i % len(ddp_methods)
-            for m in ddp_methods[k:] + ddp_methods[:k]:
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(m)
-                times[m].append(slowest(time.perf_counter() - t0))
+        times = rotate_timed(ddp_methods, step, 1, cfg["ddp_steps"])  # warm-up: hook state, buckets
         cross = {}
         for m in list(METHODS[:3]) + ["xirang+fp16", "xirang+int8"]:  # one more step per xirang method: its records
             pg = groups["two-level" if m.startswith("xirang+") else m]
@@ -324,17 +331,8 @@ def worker() -> int:
             net(data).pow(2).mean().backward()
             opt.step()
 
-        for _ in range(cfg["sweep_warmup"]):  # auto's calibration happens here (DDP's first step + 4)
-            for k in sizes:
-                sweep_step(k)
-        times = {k: [] for k in sizes}
-        for i in range(cfg["sweep_steps"]):
-            j = i % len(sizes)
-            for k in sizes[j:] + sizes[:j]:
-                dist.barrier()
-                t0 = time.perf_counter()
-                sweep_step(k)
-                times[k].append(slowest(time.perf_counter() - t0))
+        # auto's calibration happens in the warm-up (DDP's first step + 4)
+        times = rotate_timed(sizes, sweep_step, cfg["sweep_warmup"], cfg["sweep_steps"])
         st = models["auto"][2]
         a = st.stats()["autogroup"] or {}
         rows.append({"kind": "sweep", "times": times, "chosen": st.group_size(),

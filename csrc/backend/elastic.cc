@@ -115,7 +115,7 @@ std::shared_ptr<transport::ShmDomain> Membership::makeShm(const std::vector<int>
   std::weak_ptr<transport::Tcp> weak = tcp;
   // A survivor that dies during a rebuild has no listener of the new epoch to probe yet: its
   // heartbeat says it (the waits call this from the set-up's thread only).
-  const auto period = std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000));
+  const auto period = heartbeatPeriod();
   auto hb = std::make_shared<elastic::HeartbeatWatch>(*store_, prefix_, period);
   auto jb = std::make_shared<elastic::HeartbeatWatch>(*store_, prefix_, period, /*spares=*/true);
   // The beats are watched during the set-up only (the domain keeps peer_gone for its waits, and a
@@ -437,7 +437,7 @@ elastic::Decision Membership::recover(const std::string& why) {
   }
   env::log(env::Level::Warn, rank_, "epoch " + std::to_string(epoch) + " ended (" + reason + "); agreeing on the survivors");
   elastic::Report mine{done_seq_, issued_seq_.load()};
-  elastic::HeartbeatWatch watch(*store_, prefix_, std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000)));
+  elastic::HeartbeatWatch watch(*store_, prefix_, heartbeatPeriod());
   {
     std::lock_guard<std::mutex> g(watch_mu_);
     if (hb_watch_) watch.adopt(*hb_watch_);  // a neighbour already silent is stale at once
@@ -488,9 +488,7 @@ void Membership::admit(OpCtx& ctx, int64_t expect, double wait_s) {
     // A spare is admitted once its join beat is seen to advance; one whose beat stays still for
     // XIRANG_HEARTBEAT_S (it died while it waited: its join key outlives it) is marked gone and
     // never admitted (a live one that was only slow announces itself again).
-    elastic::HeartbeatWatch beats(*store_, prefix_,
-                                  std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000)),
-                                  /*spares=*/true);
+    elastic::HeartbeatWatch beats(*store_, prefix_, heartbeatPeriod(), /*spares=*/true);
     std::map<int, int64_t> first_beat;
     std::vector<std::pair<int, std::string>> joiners;  // (rank, nonce)
     while (true) {
@@ -563,7 +561,7 @@ uint64_t Membership::join() {
   // say so at once, and in the timeout's error, rather than waiting in silence.
   const std::string hk = elastic::heartbeatKey(prefix_, rank_);
   const int64_t beat0 = store_->add(hk, 0);
-  auto next_look = t0 + std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 2000));
+  auto next_look = t0 + 2 * heartbeatPeriod();
   // The join beat: advanced every heartbeat tick until this function returns (admitted and
   // set up), so the lowest live rank admits only a spare that is still there, and the
   // survivors' shared-memory set-up learns of one that dies while it joins.
@@ -581,8 +579,7 @@ uint64_t Membership::join() {
       if (t.joinable()) t.join();
     }
   } beat;
-  const auto tick = std::max(std::chrono::milliseconds(20),
-                             std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 200)));
+  const auto tick = heartbeatTick();
   beat.t = std::thread([this, tick, &beat] {
     std::unique_lock<std::mutex> g(beat.mu);
     while (!beat.stop) {
@@ -649,9 +646,17 @@ uint64_t Membership::join() {
 // failure recorded for the current epoch into an interrupt of the transport (so a running
 // exchange ends now) and a wake-up of the communication thread (so an idle rank joins the
 // agreement).
+std::chrono::milliseconds Membership::heartbeatPeriod() const {
+  return std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000));
+}
+
+std::chrono::milliseconds Membership::heartbeatTick() const {
+  return std::max(std::chrono::milliseconds(20), heartbeatPeriod() / 5);
+}
+
 void Membership::heartbeatLoop() {
-  const auto hb = std::chrono::milliseconds(static_cast<int64_t>(cfg_.heartbeat_s * 1000));
-  const auto tick = std::max(std::chrono::milliseconds(20), hb / 5);
+  const auto hb = heartbeatPeriod();
+  const auto tick = heartbeatTick();
   auto watch = std::make_unique<elastic::HeartbeatWatch>(*store_, prefix_, hb);
   {
     std::lock_guard<std::mutex> g(watch_mu_);

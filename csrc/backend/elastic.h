@@ -170,6 +170,10 @@ class Membership {
   // reported for the current epoch meanwhile, TimeoutError after `deadline`.
   std::string waitKey(const std::string& key, transport::Deadline deadline);
   void heartbeatLoop();
+  // XIRANG_HEARTBEAT_S as a duration (a rank silent that long is stale), and the interval at which
+  // a counter is advanced (a fifth of it, at least 20 ms).
+  std::chrono::milliseconds heartbeatPeriod() const;
+  std::chrono::milliseconds heartbeatTick() const;
   transport::Key128 epochKey(uint64_t epoch, const transport::Key128& otherwise) const;
 
   const int rank_, size_;
