@@ -13,7 +13,8 @@ exporter read them cannot be counted: a WARNING says how many (``Aggregator.lost
 package is a dependency of xirang: ``prometheus_client`` and ``tensorboard`` are imported when
 an exporter is created, with an ImportError that says what to install.
 
-Metrics (labels: pg, op, group = the hook's layer group or "-", phase):
+Metrics (labels: pg = the process group's c10d name ("0" the default group), op, group = the
+hook's layer group or "-", phase):
     xirang_ops_total                      operations
     xirang_failed_ops_total               operations that failed
     xirang_bytes_raw_total                payload bytes the algorithm would send uncompressed
@@ -78,6 +79,8 @@ class Aggregator:
     case the records that dropped out of the ring before they were read cannot be counted: with the
     default ``fetch`` their number is known from the group's record count and is added to
     ``lost`` and logged as a WARNING on the "xirang" logger (a custom ``fetch`` cannot tell).
+    The ``pg`` key of the sums is a record's own "pg" field (the JSON lines have one), else
+    ``pg_name``, else the name c10d gave the process group read (``ProcessGroup.group_name``).
 
     Raises TypeError when process_group is neither None (the default group) nor a
     torch.distributed ProcessGroup.
@@ -93,6 +96,7 @@ class Aggregator:
         self._last_key: Optional[tuple] = None  # content key of the last record counted
         self._source: Any = None  # weakref to the ProcessGroup read last (default fetch)
         self._built = 0  # the group's records built as of the end of the last read (default fetch)
+        self._source_name = ""  # that group's name (c10d's), the pg label of its records
         # (pg, op, group) -> sums
         self.sums: Dict[Tuple[str, str, str], Dict[str, float]] = {}
         self.peer_wait: Dict[Tuple[str, str], float] = {}
@@ -109,6 +113,7 @@ class Aggregator:
         be = backend_for(pg)
         if self._source is None or self._source() is not pg:  # a new group: count it from its start
             self._source = weakref.ref(pg)
+            self._source_name = str(getattr(pg, "group_name", "") or "")
             self._last_key = None
             self._built = 0
         before = int(be.record_cost()["records"])
@@ -143,7 +148,8 @@ class Aggregator:
             if recs:
                 self._last_key = _key(recs[-1])
             for r in new:
-                pg = str(r.get("pg", self.pg_name))
+                # records read from the backend carry no "pg" (the JSON lines add it): the group's name
+                pg = str(r.get("pg", self.pg_name or self._source_name))
                 k = (pg, str(r.get("op", "?")), _group_of(r))
                 s = self.sums.setdefault(k, {"ops": 0.0, "failed": 0.0, "bytes_raw": 0.0, "bytes_wire": 0.0,
                                               "bytes_tcp": 0.0, "bytes_shm": 0.0,

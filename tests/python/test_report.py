@@ -777,6 +777,22 @@ def w_exp_p2p():
     return {"n": [n1, n2, n3], "sums": _exp_sums(agg), "recs": xirang.stats(), "lost": getattr(agg, "lost", None)}
 
 
+def w_exp_pg_label():
+    import torch
+    import torch.distributed as dist
+
+    from xirang import exporters
+
+    sub = dist.new_group([0, 1])
+    world, other = exporters.Aggregator(), exporters.Aggregator(sub)
+    dist.all_reduce(torch.ones(8))
+    dist.all_reduce(torch.ones(8), group=sub)
+    world.update()
+    other.update()
+    return {"world": sorted({k[0] for k in world.sums}), "sub": sorted({k[0] for k in other.sums}),
+            "names": [dist.group.WORLD.group_name, sub.group_name]}
+
+
 def w_exp_reinit():
     import torch
     import torch.distributed as dist
@@ -827,7 +843,7 @@ def w_exp_wrap():
             out[f"n{step}"] = len(agg.update())
             out[f"lost{step}"] = getattr(agg, "lost", None)
             out[f"msgs{step}"] = list(msgs)
-        out["ops"] = agg.sums[("", "all_reduce", "-")]["ops"]
+        out["ops"] = agg.sums[("0", "all_reduce", "-")]["ops"]
         out["built"] = xirang._backend_for(None).record_cost()["records"]
         out["kept"] = len(xirang.stats())
         return out
@@ -878,6 +894,16 @@ def test_exporters_count_point_to_point_records():
         assert r["lost"] == 0
     sent = _count(res[0]["recs"])["send"]
     assert sent[1] == (10 + 25) * 4, sent  # the send's payload is in bytes_wire
+
+
+def test_exporters_label_records_with_their_process_group():
+    """Found by a review: records read from the backend carry no "pg" field, so every metric had
+    pg="" whatever the group; each group's records now carry its c10d name."""
+    res = _exp_pool(w_exp_pg_label, "exp_pglabel")
+    for r in res:
+        world, sub = r["names"]
+        assert world == "0" and sub not in ("", world), r
+        assert r["world"] == [world] and r["sub"] == [sub], r
 
 
 def test_exporters_count_a_recreated_default_group():
