@@ -167,7 +167,7 @@ def _shared_settings(C, opts, local: str, order: str, elastic: bool, heartbeat_s
     if algorithm == "auto":  # the size at which auto leaves the direct exchange for the ring
         shared["XIRANG_SMALL_BYTES"] = C.env_int("XIRANG_SMALL_BYTES")
     if elastic:  # a rank with a shorter heartbeat bound would declare live peers failed
-        shared["heartbeat (Options.heartbeat_s / XIRANG_HEARTBEAT_S), s"] = float(heartbeat_s)
+        shared["heartbeat period in seconds (Options.heartbeat_s / XIRANG_HEARTBEAT_S)"] = float(heartbeat_s)
     return shared
 
 
@@ -227,7 +227,8 @@ def _exchange_labels(store, ns: str, rank: int, size: int, group_name: str, join
                              "(every rank of a group must run the same xirang)") from None
         labels.append(entry)
     for name, value in mine["settings"].items():
-        differ = [r for r in range(size) if labels[r]["settings"].get(name) != value]
+        # labels[rank] is this rank's own, or for a spare the lost rank's it replaces: not a peer's
+        differ = [r for r in range(size) if r != rank and labels[r]["settings"].get(name) != value]
         if differ:
             theirs = ", ".join(f"rank {r}: {labels[r]['settings'].get(name)!r}" for r in differ[:8])
             more = f" (and {len(differ) - 8} more ranks)" if len(differ) > 8 else ""

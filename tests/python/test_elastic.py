@@ -10,6 +10,7 @@ the others take the default (shared memory between these same-host ranks, rebuil
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import tempfile
@@ -703,3 +704,21 @@ def test_on_membership_change_takes_a_callable():
     """Found by a new user: a non-callable was taken, to fail later as an unraisable exception."""
     with pytest.raises(TypeError, match="fn must be callable or None, got int"):
         _xirang().on_membership_change(5)
+
+
+def test_a_spare_with_another_heartbeat_names_the_live_ranks_values_only():
+    """Found by a review: a spare whose heartbeat period differs from the group's was told the lost
+    rank's old value (its label, which the spare replaces) beside the live ranks', and the setting
+    was spelt "heartbeat (...), s"."""
+    from xirang import _backend
+
+    store = dist.HashStore()
+    label = {"host": "h", "rack": "r", "size": 3}
+    hb = "heartbeat period in seconds (Options.heartbeat_s / XIRANG_HEARTBEAT_S)"
+    for r, period in ((0, 1.0), (1, 0.25), (2, 1.0)):  # rank 1 was lost; its label stays
+        store.set(f"ns/label/{r}", json.dumps(dict(label, settings={hb: period})))
+    with pytest.raises(ValueError) as e:
+        _backend._exchange_labels(store, "ns", 1, 3, "0", True, dict(label, settings={hb: 2.0}), None, timeout_s=5)
+    msg = str(e.value)
+    assert msg == (f"xirang rank 1: {hb} must agree across the group's ranks (group '0'): this rank 2.0, "
+                   "rank 0: 1.0, rank 2: 1.0"), msg
