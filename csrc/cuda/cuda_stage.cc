@@ -367,18 +367,41 @@ struct NcclDevice : LinkDevice {
     // place that aborts the communicator.
     if (link) link->abort(rankPrefix(setup.rank) + "an NCCL operation failed");
   }
+  // XIRANG_CUDA_TRANSPORT=auto, once the ranks chose NCCL: the communicator on device `d`, made on
+  // the caller's thread before any op of this engine (transport::startNcclAgreed). False, with
+  // `why`, when some rank could not make its own: every rank falls back together. Throws when the
+  // group fails meanwhile (a peer gone, the group aborted, a rank silent past the deadline).
+  bool startAgreed(c10::Device d, transport::Deadline deadline, std::string* why) {
+    (void)streamFor(d);
+    c10::cuda::CUDAGuard guard(d);
+    device::NcclApi& api = cuda::ncclApi();  // loadable: every rank said so in the choice
+    transport::NcclStart st = transport::startNcclAgreed(api, *setup.store, key(), setup.rank, setup.size, deadline,
+                                                         setup.group_name, stopCheck(setup.rank, setup.size));
+    if (!st.comm) {
+      *why = st.why;
+      return false;
+    }
+    adopt(api, st.comm, setup.rank, setup.size);
+    return true;
+  }
 
  protected:
   void makeLink(const Comm& host, transport::Deadline deadline) override {
-    device::NcclApi& nccl = cuda::ncclApi();  // loadable: the Engine checked it at group creation
-    const std::string key = setup.key_ns + "/nccl/" + setup.group_name + "/epoch0";
+    device::NcclApi& api = cuda::ncclApi();  // loadable: the Engine checked it at group creation
     const int rank = host.rank, size = host.size();
-    // Both waits end early when this group is interrupted (poisoned, aborted, shut down at exit),
-    // its abort note is in the store, or a ring neighbour is gone (which fails its other neighbour,
-    // whose abort note then reaches every rank): a peer that failed before or during the
-    // communicator's creation does not hold the others until the op's deadline.
-    Clock::time_point next_store_check{};
-    transport::StopCheck stop = [&, rank, size]() -> std::string {
+    const transport::StopCheck stop = stopCheck(rank, size);
+    device::NcclUniqueId id = transport::shareNcclUniqueId(api, *setup.store, key(), rank, deadline, stop);
+    adopt(api, transport::initNcclComm(api, id, rank, size, deadline, setup.group_name, stop), rank, size);
+  }
+
+ private:
+  std::string key() const { return setup.key_ns + "/nccl/" + setup.group_name + "/epoch0"; }
+  // The communicator's set-up waits end early when this group is interrupted (poisoned, aborted,
+  // shut down at exit), its abort note is in the store, or a ring neighbour is gone (which fails
+  // its other neighbour, whose abort note then reaches every rank): a peer that failed before or
+  // during the communicator's creation does not hold the others until the op's deadline.
+  transport::StopCheck stopCheck(int rank, int size) {
+    return [this, rank, size, next_store_check = Clock::time_point{}]() mutable -> std::string {
       {
         std::lock_guard<std::mutex> g(mu);
         if (!why.empty()) return why;
@@ -394,16 +417,17 @@ struct NcclDevice : LinkDevice {
         }
       return {};
     };
-    device::NcclUniqueId id = transport::shareNcclUniqueId(nccl, *setup.store, key, rank, deadline, stop);
-    device::NcclComm c = transport::initNcclComm(nccl, id, rank, size, deadline, setup.group_name, stop);
+  }
+  // The link over communicator `c` (aborted if the link cannot be made), installed.
+  void adopt(device::NcclApi& api, device::NcclComm c, int rank, int size) {
     auto s = reinterpret_cast<device::Stream>(raw);
     std::unique_ptr<transport::NcclLink> l;
     try {
-      l = std::make_unique<transport::NcclLink>(nccl, cuda::runtimeApi(), c, rank, size, s);
+      l = std::make_unique<transport::NcclLink>(api, cuda::runtimeApi(), c, rank, size, s);
     } catch (...) {
       // the peers' communicator must not wait for this one
-      device::NcclApi* api = &nccl;
-      (void)transport::boundedTeardown([api, c] { return api->commAbort(c); }, "ncclCommAbort", rank);
+      device::NcclApi* p = &api;
+      (void)transport::boundedTeardown([p, c] { return p->commAbort(c); }, "ncclCommAbort", rank);
       throw;
     }
     // A peer that failed elsewhere writes the group's abort note (Tcp::abort); a rank blocked in
@@ -614,6 +638,24 @@ void Engine::decideAuto(const std::vector<at::Tensor>& tensors) {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, rankPrefix(setup_.rank), "group '", setup_.group_name, "': XIRANG_CUDA_TRANSPORT=auto: ",
                 e.what());
+  }
+  if (c.nccl) {
+    // What auto cannot see before trying: a rank whose communicator cannot be made (NCCL's
+    // bootstrap cannot reach a peer, a wrong interface, no device memory). Every rank falls back.
+    std::string fell;
+    bool made = false;
+    try {
+      made = nccl_->startAgreed(dev, Clock::now() + setup_.timeout, &fell);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, rankPrefix(setup_.rank), "group '", setup_.group_name,
+                  "': XIRANG_CUDA_TRANSPORT=auto chose NCCL, and making its communicator failed: ", e.what());
+    }
+    if (!made) {
+      env::log(env::Level::Warn, setup_.rank,
+               "group '" + setup_.group_name + "': XIRANG_CUDA_TRANSPORT=auto chose NCCL (" + c.why + "), but " + fell +
+                   ": every rank of the group falls back to the host-staged engines");
+      c = {false, "NCCL was chosen, but " + fell};
+    }
   }
   use_nccl_ = c.nccl;
   auto_why_ = c.why;

@@ -45,7 +45,10 @@
 //   caller's wait()  as above: its stream waits on the done event.
 // The NCCL communicator: one per group, made at the group's first NCCL op (rank 0's unique id under
 // the store key <creation namespace>/nccl/<group>/epoch0; non-blocking init, bounded by that
-// op's deadline), on the device of that op's tensors; its ranks are the group's. Its stream is
+// op's deadline), on the device of that op's tensors; its ranks are the group's. Under auto it is
+// made on the caller's thread right after the choice (transport::startNcclAgreed, bounded by the
+// group's timeout), and when any rank cannot make its own, every rank falls back to the
+// host-staged engines with one WARNING naming that rank and NCCL's error. Its stream is
 // the engine's own (not a pool stream shared with the mirror engine's point-to-point ops or other
 // groups, whose waits could otherwise queue behind an NCCL receive). A poisoned or aborted group
 // interrupts its link (DeviceEngine::abort, any thread), so this rank's NCCL wait fails at once;
@@ -192,7 +195,8 @@ class Engine : public DeviceEngine {
   // Whether an op takes the NCCL engine. Under auto the group's first CUDA collective decides, on
   // every rank, by a store round (transport::agreeOnNccl: NCCL when it loaded everywhere and every
   // rank's GPU is its own; this blocks the caller until every rank has reached it, at most the
-  // group's timeout: c10::Error naming the rank that did not come).
+  // group's timeout: c10::Error naming the rank that did not come), then makes the communicator
+  // (host-staged after all when a rank cannot make its own: transport::startNcclAgreed).
   // Also says once, at INFO, how the group's CUDA tensors run.
   bool useNccl(bool device_link, const std::vector<at::Tensor>& tensors);
   // Under decide_mu_: auto's choice (use_nccl_, auto_why_) by the store round.

@@ -1232,3 +1232,91 @@ TEST_CASE("device: a stop check ends the waits for the unique id and for the oth
     CHECK(w[1] == "rank 0 could not make the NCCL unique id: " + w[0]);
   }
 }
+
+// XIRANG_CUDA_TRANSPORT=auto after it chose NCCL (nccl_link.h: startNcclAgreed): every rank makes
+// its communicator, or every rank falls back with the same reason.
+namespace {
+struct StartOutcome {
+  bool comm = false;
+  std::string why;  // the fallback's reason, or "threw: <what>"
+};
+
+std::vector<StartOutcome> startAll(dv::FakeDevice& dev, int n, const std::function<dv::NcclApi&(int)>& api,
+                                   const std::function<std::string(int)>& stop = {}, int deadline_ms = 20000) {
+  MemStore store;
+  std::vector<StartOutcome> out(static_cast<size_t>(n));
+  runRanks(n, [&](int r) {
+    try {
+      tp::StopCheck s;
+      if (stop) s = [&stop, r] { return stop(r); };
+      const tp::NcclStart st =
+          tp::startNcclAgreed(api(r), store, "xirang/test/0/nccl/g/epoch0", r, n, after(milliseconds(deadline_ms)), "g", s);
+      out[static_cast<size_t>(r)] = {st.comm != nullptr, st.why};
+      if (st.comm) (void)dev.nccl().commDestroy(st.comm);
+    } catch (const std::exception& e) {
+      out[static_cast<size_t>(r)] = {false, std::string("threw: ") + e.what()};
+    }
+  });
+  return out;
+}
+}  // namespace
+
+TEST_CASE("auto transport: every rank makes its NCCL communicator, or every rank falls back with one reason",
+          "[device]") {
+  dv::FakeDevice dev;
+  auto fake = [&dev](int) -> dv::NcclApi& { return dev.nccl(); };
+  for (int n = 1; n <= 4; ++n) {
+    INFO("WS " << n);
+    for (const auto& o : startAll(dev, n, fake)) {
+      CHECK(o.comm);
+      CHECK(o.why.empty());
+    }
+  }
+  // rank 1's ncclCommInitRankConfig fails (its bootstrap cannot reach the others, say): the
+  // others, waiting in their init for rank 1 to join, see its record and stop at once
+  struct NoInit : ForwardNccl {
+    using ForwardNccl::ForwardNccl;
+    int commInitRankConfig(dv::NcclComm*, int, const dv::NcclUniqueId&, int, const dv::NcclConfig&) override {
+      return dv::kNcclSystemError;
+    }
+  } no_init(dev.nccl());
+  auto t0 = xirang_test::Clock::now();
+  auto o = startAll(dev, 3, [&](int r) -> dv::NcclApi& { return r == 1 ? no_init : dev.nccl(); });
+  CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));  // not the 20 s deadline
+  for (const auto& x : o) {
+    CHECK(!x.comm);
+    CHECK(x.why == o[1].why);
+  }
+  CHECK(o[1].why.rfind("rank 1 could not make its NCCL communicator: ncclCommInitRankConfig of NCCL communicator "
+                       "'g' (rank 1 of 3): NCCL error 2",
+                       0) == 0);
+  // rank 0's ncclGetUniqueId fails: rank 0's own reason on every rank
+  struct NoUniqueId : ForwardNccl {
+    using ForwardNccl::ForwardNccl;
+    int getUniqueId(dv::NcclUniqueId*) override { return dv::kNcclInternalError; }
+  } no_uid(dev.nccl());
+  t0 = xirang_test::Clock::now();
+  o = startAll(dev, 3, [&](int r) -> dv::NcclApi& { return r == 0 ? no_uid : dev.nccl(); });
+  CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));
+  for (const auto& x : o) {
+    CHECK(!x.comm);
+    CHECK(x.why.rfind("rank 0 could not make its NCCL communicator: ncclGetUniqueId: NCCL error 3", 0) == 0);
+  }
+  // a group failure is no fallback: rank 2 never comes and the stop check (a gone peer) says so
+  // after 300 ms, when both ranks wait in their init
+  t0 = xirang_test::Clock::now();
+  MemStore store;
+  std::vector<std::string> threw(2);
+  runRanks(2, [&](int r) {
+    try {
+      (void)tp::startNcclAgreed(dev.nccl(), store, "k", r, 3, after(milliseconds(20000)), "g", [t0] {
+        return xirang_test::Clock::now() - t0 > milliseconds(300) ? std::string("rank 2 is gone") : std::string();
+      });
+    } catch (const tp::TransportError& e) {
+      threw[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));
+  CHECK(threw[0] == "rank 2 is gone (initialising NCCL communicator 'g' (rank 0 of 3))");
+  CHECK(threw[1] == "rank 2 is gone (initialising NCCL communicator 'g' (rank 1 of 3))");
+}

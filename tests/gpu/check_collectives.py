@@ -14,7 +14,8 @@ add): the result must come from the finished values; likewise for a coalesced ba
 allreduces, and a batch_isend_irecv ring shift), and a recv whose tensor a kernel queued before it
 still reads (the reader must see the old values). Rank 0 writes OUT_DIR/collectives.json
 (collectives-nccl.json for WORLD 1 or XIRANG_CUDA_TRANSPORT=nccl, collectives-staged.json under
-XIRANG_TRANSPORT_LOCAL=tcp). With --cpu the "device" tensors are CPU tensors (no producer kernel:
+XIRANG_TRANSPORT_LOCAL=tcp; collectives-expect-E.json when XIRANG_CHECK_EXPECT_ENGINE=E names the
+engine the records must show, as where NCCL cannot make its communicator and auto falls back). With --cpu the "device" tensors are CPU tensors (no producer kernel:
 the checks cannot see a missing stream wait there) and the engine expected is "host": a dry run
 of the script itself, run by test_collectives::test_gpu_collectives_check_dry_run.
 """
@@ -154,8 +155,8 @@ def worker(rank, world, port, out, cpu, q):
         # Which engine ran the CUDA ops (records): nccl under XIRANG_CUDA_TRANSPORT=nccl and, under auto,
         # for one rank (its GPU is its own); else (ranks share GPU 0) staged where
         # XIRANG_TRANSPORT_LOCAL=tcp, mirror where the ranks share host memory.
-        want = ("host" if cpu else "nccl" if nccl_expected(world)
-                else "staged" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "mirror")
+        want = ("host" if cpu else os.environ.get("XIRANG_CHECK_EXPECT_ENGINE") or ("nccl" if nccl_expected(world)
+                else "staged" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "mirror"))
         engines = sorted({r["engine"] for r in xirang.stats() if cpu or r["engine"] != "host"})
         results[f"engine is {want} (records: {engines})"] = engines == [want]
         # A coalesced batch's Work stands for its members on the device too: after its wait() the
@@ -206,7 +207,8 @@ def main():
     os.makedirs(out, exist_ok=True)
     got = ranks.run(worker, world, out, cpu, timeout=240)
     ok = all("error" not in res and all(res.values()) for res in got.values()) and len(got) == world
-    name = ("collectives-nccl.json" if nccl_expected(world)
+    expect = os.environ.get("XIRANG_CHECK_EXPECT_ENGINE")
+    name = (f"collectives-expect-{expect}.json" if expect else "collectives-nccl.json" if nccl_expected(world)
             else "collectives-staged.json" if os.environ.get("XIRANG_TRANSPORT_LOCAL") == "tcp" else "collectives.json")
     with open(os.path.join(out, name), "w") as f:
         json.dump({"ok": ok, "ranks": got}, f, indent=1)

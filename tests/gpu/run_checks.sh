@@ -25,6 +25,9 @@
 #   collectives_nccl  the same checks through the backend's NCCL engine, which auto must choose for
 #                one rank (NCCL refuses two ranks on one GPU): the device Comm, kernels on the side
 #                stream, the stream discipline and the communicator's creation through the store
+#   nccl_fallback  one rank under auto with NCCL_SOCKET_IFNAME naming no interface: NCCL cannot make
+#                the communicator that auto chose, so the rank falls back to the staged engine (WARNING),
+#                same checks
 #   collectives_staged  the same 4 ranks with XIRANG_TRANSPORT_LOCAL=tcp (no shared-memory domain):
 #                the staged engine (device reducer kernels over a StagedLink on TCP) == CPU bitwise
 #   ddp          DDP + xirang hook, 50 steps: loss within 2% of gloo fp32, replicas bitwise equal;
@@ -135,6 +138,11 @@ step collectives_staged 60 env XIRANG_TRANSPORT_LOCAL=tcp XIRANG_DEBUG=INFO "$PY
 grep -h "FAIL\|CUDA tensors run" "$OUT/collectives_staged.log" >> "$summary" 2>/dev/null
 step collectives_nccl 60 env XIRANG_CUDA_TRANSPORT=auto XIRANG_DEBUG=INFO "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 1
 grep -h "FAIL\|NCCL communicator\|CUDA tensors run" "$OUT/collectives_nccl.log" >> "$summary" 2>/dev/null
+# auto chose NCCL for one rank, but NCCL cannot make the communicator (no such socket interface for its
+# bootstrap): the rank must fall back to the staged engine with a WARNING and give the same results
+step nccl_fallback 60 env XIRANG_CUDA_TRANSPORT=auto NCCL_SOCKET_IFNAME=xirang_no_such_if XIRANG_CHECK_EXPECT_ENGINE=staged \
+    XIRANG_DEBUG=INFO "$PY" "$root/tests/gpu/check_collectives.py" "$OUT" 1
+grep -h "FAIL\|falls back\|CUDA tensors run" "$OUT/nccl_fallback.log" >> "$summary" 2>/dev/null
 step ddp 120 "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50
 grep -h "ddp" "$OUT/ddp.log" >> "$summary" 2>/dev/null
 step ddp_staged 90 env XIRANG_TRANSPORT_LOCAL=tcp "$PY" "$root/tests/gpu/check_ddp.py" "$OUT" 2 50

@@ -275,6 +275,71 @@ dv::NcclComm initNcclComm(dv::NcclApi& nccl, const dv::NcclUniqueId& id, int ran
   }
 }
 
+NcclStart startNcclAgreed(dv::NcclApi& nccl, Store& store, const std::string& key, int rank, int size,
+                          Deadline deadline, const std::string& name, const StopCheck& stop) {
+  static const std::string kOk = "ok", kFailed = "failed: ";
+  const auto started = Clock::now();
+  auto made = [&key](int r) { return key + "/made/" + std::to_string(r); };
+  auto failure = [](const std::string& v) { return v.compare(0, kFailed.size(), kFailed) == 0; };
+  // The first failure another rank has set, polled at most every 200 ms ("" while there is none).
+  Clock::time_point next_poll{};
+  auto peer_failed = [&]() -> std::string {
+    if (Clock::now() < next_poll) return {};
+    next_poll = Clock::now() + std::chrono::milliseconds(200);
+    for (int r = 0; r < size; ++r) {
+      if (r == rank || !store.check(made(r))) continue;
+      const std::string v = store.get(made(r), deadline);
+      if (failure(v)) return v.substr(kFailed.size(), 4096);
+    }
+    return {};
+  };
+  std::string group_failed;  // `stop` ended the attempt: thrown, not a fallback
+  std::string peer_why;      // another rank's failure ended it: this rank records that one
+  const StopCheck watch = [&]() -> std::string {
+    if (stop) {
+      std::string w = stop();
+      if (!w.empty()) return group_failed = w;
+    }
+    return peer_why = peer_failed();
+  };
+  dv::NcclComm comm = nullptr;
+  std::string record = kOk;
+  try {
+    const dv::NcclUniqueId id = shareNcclUniqueId(nccl, store, key + "/uid", rank, deadline, watch);
+    comm = initNcclComm(nccl, id, rank, size, deadline, name, watch);
+  } catch (const TransportError& e) {
+    if (!group_failed.empty()) throw;
+    record = kFailed + (!peer_why.empty() ? peer_why
+                                          : "rank " + std::to_string(rank) + " could not make its NCCL communicator: " +
+                                                std::string(e.what()).substr(0, 2048));
+  }
+  try {
+    store.set(made(rank), record);
+    // Every rank's outcome: the attempts end by `deadline` (or soon after the first failure), so
+    // a record still missing well after it is a rank that is gone or stuck.
+    const Deadline late =
+        std::max(deadline, Clock::now()) + std::min<Clock::duration>(Clock::now() - started, std::chrono::seconds(60));
+    std::string why;
+    for (int r = 0; r < size && why.empty(); ++r) {
+      std::string v = record;
+      if (r != rank) {
+        const std::string who = "rank " + std::to_string(r);
+        const std::string w =
+            pollForKey(store, made(r), late, stop, who + " did not say whether it made its NCCL communicator", r);
+        if (!w.empty()) throw TransportError(w + " (waiting for " + who + "'s NCCL communicator)", r);
+        v = store.get(made(r), late);
+      }
+      if (v != kOk) why = failure(v) ? v.substr(kFailed.size(), 4096) : "rank " + std::to_string(r) + "'s record did not parse";
+    }
+    if (why.empty()) return {comm, {}};
+    if (comm) abortInit(nccl, comm, rank);
+    return {nullptr, why};
+  } catch (...) {
+    if (comm) abortInit(nccl, comm, rank);
+    throw;
+  }
+}
+
 NcclLink::NcclLink(dv::NcclApi& nccl, dv::CudaApi& cuda, dv::NcclComm comm, int rank, int size, dv::Stream stream)
     : nccl_(nccl), cuda_(cuda), comm_(comm), rank_(rank), size_(size), stream_(stream) {
   if (!comm) throw std::invalid_argument("xirang: NcclLink needs a communicator");

@@ -122,6 +122,27 @@ NcclChoice declareNotAuto(Store& store, const std::string& key, int rank);
 NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size, const NcclCandidate& mine,
                        Deadline deadline, const std::function<std::string(int)>& gone = {});
 
+// XIRANG_CUDA_TRANSPORT=auto once agreeOnNccl chose NCCL: make this rank's communicator
+// (shareNcclUniqueId under `key` + "/uid", initNcclComm named `name`) and agree with every rank
+// on the outcome, so that all ranks fall back to the host-staged engines together when one cannot
+// make it: NCCL's bootstrap cannot reach a peer, a wrong socket interface or IB set-up, device
+// memory exhausted; what auto cannot see before trying. Each rank sets its outcome under `key` +
+// "/made/<rank>" ("ok", or "failed: <why>"); a rank whose own attempt fails sets it at once, and
+// the others' waits (for the unique id, for the init) poll those records and end at the first
+// failure. Returns {comm, ""} when every rank made one, else {nullptr, why} with `why` the first
+// failure in rank order ("rank r could not make its NCCL communicator: ..."), the same text on
+// every rank, this rank's communicator aborted (boundedTeardown). A failure of the group is no
+// fallback and is thrown: a non-empty `stop()` (a peer gone, the group aborted:
+// TransportError carrying it) or a rank whose outcome is not set by `deadline` + the time the
+// attempt took at most again, capped at 60 s (TimeoutError naming it); `deadline` itself bounds
+// each rank's attempt (a timed-out init is a failure to make the communicator).
+struct NcclStart {
+  device::NcclComm comm = nullptr;
+  std::string why;  // empty: comm is this rank's communicator; else why every rank falls back
+};
+NcclStart startNcclAgreed(device::NcclApi& nccl, Store& store, const std::string& key, int rank, int size,
+                          Deadline deadline, const std::string& name, const StopCheck& stop = {});
+
 class NcclLink : public Link {
  public:
   // Owns `comm` (rank `rank` of `size`); orders everything on `stream` (not owned). Allocates
