@@ -24,41 +24,65 @@ _MAX_SECONDS = 1e6  # an operation's phase (11 days)
 _MAX_ABS = 1e15  # any number, nested ones included (timestamps are ~1e9)
 
 
+_FLOAT, _INT, _STR = float, int, str
+#: field name -> (expected type: "" any, "an integer", "a number", "text or an integer"; low; high)
+_KINDS: Dict[str, Tuple[str, Any, Any]] = {}
+
+
+def _kind(k: str) -> Tuple[str, Any, Any]:
+    kind = _KINDS.get(k)
+    if kind is None:
+        want = ("an integer" if k in _INT_FIELDS or k.startswith("bytes_") else
+                "a number" if k.endswith("_s") or k == "t_enqueue" else
+                "text or an integer" if k in ("run_id", "pg") else "")
+        low, high = _RANGES.get(k, (0, 1 << 62) if k.startswith("bytes_") else (None, None))
+        if want == "a number" and k != "t_enqueue":
+            low, high = 0, _MAX_SECONDS
+        kind = (want, low, high)
+        if len(_KINDS) < 4096:  # field names come from the files: a bounded cache
+            _KINDS[k] = kind
+    return kind
+
+
+def _magnitude(v: Any) -> int:
+    """0: every number in ``v`` (nested ones too) is finite and within _MAX_ABS; 1: one is not
+    finite; 2: one is finite but beyond _MAX_ABS (a non-finite one anywhere counts first)."""
+    t = type(v)
+    if t is _FLOAT:
+        return 0 if -_MAX_ABS <= v <= _MAX_ABS else 2 if math.isfinite(v) else 1
+    if t is _INT:  # exact: a huge int does not convert to float
+        return 0 if -_MAX_ABS <= v <= _MAX_ABS else 2
+    if t is dict or t is list:
+        worst = 0
+        for x in (v.values() if t is dict else v):
+            m = _magnitude(x)
+            if m == 1:
+                return 1
+            worst = max(worst, m)
+        return worst
+    return 0
+
+
 def _field_problem(r: dict) -> str:
     """Why an operation record cannot be analysed (a field of the wrong type, a non-finite number
     anywhere: the HTML embeds the records as JSON; a number out of its range: a negative duration,
-    byte count or rank, a world size above 2^24, any magnitude above 1e15), or "" when it can."""
-    def finite(v: Any, bound: float = math.inf) -> bool:
-        if isinstance(v, int) and not isinstance(v, bool):  # exact: a huge int does not convert to float
-            return abs(v) <= bound
-        if isinstance(v, float):
-            return math.isfinite(v) and abs(v) <= bound
-        if isinstance(v, dict):
-            return all(finite(x, bound) for x in v.values())
-        if isinstance(v, list):
-            return all(finite(x, bound) for x in v)
-        return True
-
-    if not isinstance(r["op"], str):
+    byte count or rank, a world size above 2^24, any magnitude above 1e15), or "" when it can.
+    ``r`` is a JSON object as json.loads gives it (exact int, float, str, bool, None, list, dict)."""
+    if type(r["op"]) is not _STR:
         return f"field 'op' is {type(r['op']).__name__}, expected text"
     for k, v in r.items():
         if v is None:
             continue
-        want = ("an integer" if k in _INT_FIELDS or k.startswith("bytes_") else
-                "a number" if k.endswith("_s") or k == "t_enqueue" else
-                "text or an integer" if k in ("run_id", "pg") else "")
-        ok = (not want or (want == "an integer" and isinstance(v, int) and not isinstance(v, bool))
-              or (want == "a number" and isinstance(v, (int, float)) and not isinstance(v, bool))
-              or (want == "text or an integer" and isinstance(v, (str, int)) and not isinstance(v, bool)))
-        if not ok:
+        want, low, high = _kind(k)
+        t = type(v)
+        if want and not ((want == "an integer" and t is _INT) or (want == "a number" and (t is _INT or t is _FLOAT))
+                         or (want == "text or an integer" and (t is _STR or t is _INT))):
             return f"field {k!r} is {json.dumps(v)[:40]}, expected {want}"
-        if not finite(v):
+        m = _magnitude(v)
+        if m == 1:
             return f"field {k!r} holds a non-finite number"
-        if not finite(v, _MAX_ABS):
+        if m == 2:
             return f"field {k!r} holds a number beyond {_MAX_ABS:g} in magnitude"
-        low, high = _RANGES.get(k, (0, 1 << 62) if k.startswith("bytes_") else (None, None))
-        if want == "a number" and k != "t_enqueue":
-            low, high = 0, _MAX_SECONDS
         if low is not None and not low <= v <= high:
             return f"field {k!r} is {v!r}, expected {low} to {high:g}"
     return ""
