@@ -372,9 +372,22 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table (for the README)")
     a = ap.parse_args(argv)
 
-    cfg = {"sizes": parse_sizes(a.sizes), "reps": a.reps, "warmup": a.warmup, "iters": a.iters,
+    try:
+        sizes = parse_sizes(a.sizes)
+    except (ValueError, OverflowError):
+        ap.error(f"--sizes {a.sizes!r}: expected 'LO-HI' or a list like '4K,1M,16M' (suffixes K, M, G)")
+    if any(not 1 <= x <= 16 * 1024 * MiB for x in sizes):
+        ap.error(f"--sizes {a.sizes!r}: every size must be 1 byte to 16 GiB")
+    try:
+        wss = [int(x) for x in a.ws.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--ws {a.ws!r}: expected world sizes like '2,4'")
+    if a.iters < 0 or a.warmup < 0:
+        ap.error("--iters and --warmup must be >= 0 (--iters 0: auto)")
+    if not a.timeout > 0 or not a.op_timeout > 0:
+        ap.error("--timeout and --op-timeout must be > 0 seconds")
+    cfg = {"sizes": sizes, "reps": a.reps, "warmup": a.warmup, "iters": a.iters,
            "dtype": a.dtype, "ceiling": a.ceiling, "shm": a.shm, "timeout": a.timeout, "op_timeout": a.op_timeout}
-    wss = [int(x) for x in a.ws.split(",") if x.strip()]
     if not wss or min(wss) < 2:
         ap.error("--ws: world sizes must be >= 2 (busbw is 0 at WS=1)")
     if a.reps < 1 or not cfg["sizes"]:

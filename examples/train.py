@@ -121,6 +121,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         args.lr = 2e-3 if args.task == "digits" else 3e-3
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    for name in ("batch_size", "depth", "width", "context", "corpus_bytes", "layers_per_group"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("warmup_steps", "save_every", "admit_every", "log_every", "threads"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if not (args.lr > 0 and math.isfinite(args.lr)) or not (args.bucket_cap_mb > 0 and math.isfinite(args.bucket_cap_mb)):
+        p.error("--lr and --bucket-cap-mb must be finite and > 0")
     if args.elastic and args.backend != "xirang":
         p.error("--elastic needs --backend xirang")
     if args.elastic and (args.save or args.resume):

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <mutex>
 #include <stdexcept>
 
 #include "backend/op_queue.h"
@@ -13,6 +14,7 @@
 #include "core/env.h"
 #include "core/topology.h"
 #include "core/transport/auth.h"
+#include "core/transport/frame.h"
 #include "core/transport/socket.h"
 
 namespace xirang {
@@ -83,6 +85,30 @@ void checkSettings(const std::string& algorithm) {
     if (send_thread < 0)
       throw std::invalid_argument("xirang: XIRANG_SEND_THREAD_BYTES=" + std::to_string(send_thread) +
                                   " must be >= 0 bytes (0: never a send thread)");
+    // Read by the CUDA engine (cuda/cuda_stage.cc) of a CUDA build only: every build checks it.
+    const std::string cuda = env::get("XIRANG_CUDA_TRANSPORT");
+    if (cuda != "auto" && cuda != "host" && cuda != "mirror" && cuda != "nccl")
+      throw std::invalid_argument("xirang: XIRANG_CUDA_TRANSPORT must be auto, host, mirror or nccl, got '" +
+                                  cuda.substr(0, 64) + "'");
+#ifndef XIRANG_WITH_CUDA
+    static std::once_flag said;
+    if (cuda == "nccl")
+      std::call_once(said, [] {
+        env::log(env::Level::Warn, -1,
+                 "XIRANG_CUDA_TRANSPORT=nccl has no effect: this xirang was built without its CUDA path, so its groups "
+                 "take no CUDA tensors (use \"cpu:xirang,cuda:nccl\" for torch's NCCL backend, or build xirang with CUDA)");
+      });
+#endif
+    // The test-only knobs, read at their first use: a typo fails here, not silently later.
+    const int64_t delay = env::getInt("XIRANG_TEST_DELAY_MS");
+    if (delay < 0 || delay > 600000)
+      throw std::invalid_argument("xirang: XIRANG_TEST_DELAY_MS=" + std::to_string(delay) +
+                                  " must be 0 to 600000 milliseconds");
+    (void)transport::dieAfterSegmentsKnob();
+    const std::string die = env::get("XIRANG_TEST_DIE_IN_REBUILD");
+    if (!die.empty() && (die.size() > 9 || !std::all_of(die.begin(), die.end(), [](char c) { return c >= '0' && c <= '9'; })))
+      throw std::invalid_argument("xirang: XIRANG_TEST_DIE_IN_REBUILD='" + die.substr(0, 64) +
+                                  "' must be empty or a group rank (an integer >= 0)");
     const std::string key_file = env::get("XIRANG_AUTH_KEY_FILE");
     if (!key_file.empty()) transport::loadKeyFile(key_file);
     const std::string ifname = env::get("XIRANG_SOCKET_IFNAME");

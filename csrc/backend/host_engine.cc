@@ -286,18 +286,24 @@ void allgatherCoalesced(const Comm& comm, const OpCtx& ctx, const std::vector<at
 }
 
 void reduceScatterBase(const Comm& comm, const OpCtx& ctx, const at::Tensor& output, const at::Tensor& input,
-                       ReduceOp op, double premul, int size) {
+                       const std::vector<int64_t>& counts, ReduceOp op, double premul, int size) {
   at::Tensor buf = is16BitFloat(input.scalar_type()) ? input.to(at::kFloat).reshape(-1)
                                                      : input.reshape(-1).clone(at::MemoryFormat::Contiguous);
   const DType wire = toDType(buf.scalar_type());
   const Scaling sc = scalingFor(op, premul, size);  // AVG divides before the sum: no overflow
   if (sc.factor != 1.0) comm.reducer->scale(buf.data_ptr(), buf.numel(), wire, sc.factor);
-  const uint64_t b = static_cast<uint64_t>(output.numel()) * buf.element_size();
+  const uint64_t es = buf.element_size();
   std::vector<RecvSeg> blocks;
-  for (int r = 0; r < size; ++r) blocks.push_back(RecvSeg{static_cast<uint8_t*>(buf.data_ptr()) + b * r, b});
+  int64_t off = 0, mine = 0;
+  for (int r = 0; r < size; ++r) {
+    const int64_t c = counts[static_cast<size_t>(r)];
+    if (r == comm.rank) mine = off;
+    blocks.push_back(RecvSeg{static_cast<uint8_t*>(buf.data_ptr()) + static_cast<uint64_t>(off) * es,
+                             static_cast<uint64_t>(c) * es});
+    off += c;
+  }
   collectivesFor(comm).reduceScatter(comm, ctx, blocks, wire, sc.wire_op);
-  at::Tensor mine = buf.narrow(0, output.numel() * comm.rank, output.numel());
-  output.copy_(mine.view(output.sizes()));
+  output.copy_(buf.narrow(0, mine, output.numel()).view(output.sizes()));
 }
 
 void alltoallBase(const Comm& comm, const OpCtx& ctx, const at::Tensor& output, const at::Tensor& input,

@@ -57,9 +57,10 @@ void allgather(const Comm& comm, const OpCtx& ctx, const std::vector<at::Tensor>
 void allgatherCoalesced(const Comm& comm, const OpCtx& ctx, const std::vector<at::Tensor>& ins,
                         const std::vector<std::vector<at::Tensor>>& outs, uint64_t bytes, int size);
 
-// output = the reduction of block `rank` of every rank's input (`size` blocks of output's numel).
+// output = the reduction of block `rank` of every rank's input: `size` blocks, counts[r] elements
+// for rank r, in rank order (output has counts[rank]; input the sum).
 void reduceScatterBase(const Comm& comm, const OpCtx& ctx, const at::Tensor& output, const at::Tensor& input,
-                       ReduceOp op, double premul, int size);
+                       const std::vector<int64_t>& counts, ReduceOp op, double premul, int size);
 
 // Rows in_rows[r] of input go to rank r; out_rows[r] rows of output come from rank r.
 void alltoallBase(const Comm& comm, const OpCtx& ctx, const at::Tensor& output, const at::Tensor& input,

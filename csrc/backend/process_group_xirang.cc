@@ -538,21 +538,37 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_into_tensor_coalesc
                   [&](at::Tensor& o, at::Tensor& i) { return _allgather_base(o, i, opts); });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_reduce_scatter_base(at::Tensor& output_, at::Tensor& input_,
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
+  return reduceScatterBlocks(output, input, std::vector<int64_t>(static_cast<size_t>(size_), output.numel()), opts,
+                             "reduce_scatter_tensor");
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduceScatterBlocks(at::Tensor& output_, at::Tensor& input_,
+                                                                       const std::vector<int64_t>& counts,
+                                                                       const c10d::ReduceScatterOptions& opts,
+                                                                       const char* name) {
   at::Tensor output, input;
-  auto stage = bindPair(engines_, rank_, "reduce_scatter_tensor", output_, input_, output, input);
-  XR_CHECK(rank_, input.numel() == output.numel() * size_, "reduce_scatter_tensor: input has ", input.numel(),
-           " elements, expected world size ", size_, " x output ", output.numel());
+  auto stage = bindPair(engines_, rank_, name, output_, input_, output, input);
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  if (std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == output.numel(); })) {
+    XR_CHECK(rank_, input.numel() == output.numel() * size_, name, ": input has ", input.numel(),
+             " elements, expected world size ", size_, " x output ", output.numel());
+  } else {
+    XR_CHECK(rank_, input.numel() == total && output.numel() == counts[static_cast<size_t>(rank_)], name,
+             ": this rank's output has ", output.numel(), " elements, its own input chunk ",
+             counts[static_cast<size_t>(rank_)]);
+  }
   const ReduceOp op = toReduceOp(opts.reduceOp);
-  checkReduce(rank_, "reduce_scatter_tensor", input.scalar_type(), op);
+  checkReduce(rank_, name, input.scalar_type(), op);
   const double premul = scaleOf(opts.reduceOp, op);
   return enqueue({.type = c10d::OpType::_REDUCE_SCATTER_BASE, .title = "xirang:reduce_scatter_tensor",
                   .kind = OpKind::ReduceScatter, .outputs = {output}, .inputs = {input},
                   .dtype = toDType(input.scalar_type()), .reduce = op, .numel = static_cast<uint64_t>(input.numel()),
                   .timeout = opts.timeout, .sync = !opts.asyncOp},
-                 stage, [this, stage, output, input, op, premul](OpCtx& ctx) {
-                   host::reduceScatterBase(stage->comm(comm(), ctx), ctx, output, input, op, premul, size_);
+                 stage, [this, stage, output, input, counts, op, premul](OpCtx& ctx) {
+                   host::reduceScatterBase(stage->comm(comm(), ctx), ctx, output, input, counts, op, premul, size_);
                  });
 }
 
@@ -566,16 +582,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce_scatter(std::vector<at
   // CUDA tensors pass: the concatenated input and the output go through _reduce_scatter_base's stage.
   checkTensors(rank_, "reduce_scatter", outputs, /*cuda_ok=*/true);
   checkTensors(rank_, "reduce_scatter", inputs[0], /*cuda_ok=*/true);
+  // Chunks may differ in size, as gloo allows (chunk r of every rank has the same size, and
+  // rank r's output has it): the blocks of the reduce-scatter are the chunks.
+  std::vector<int64_t> counts;
+  std::vector<at::Tensor> flat;
   for (auto& t : inputs[0]) {
     checkSameType(rank_, "reduce_scatter", outputs[0], t);
-    XR_CHECK(rank_, t.numel() == outputs[0].numel(), "reduce_scatter: input tensor has ", t.numel(), " elements, output ",
-             outputs[0].numel());
+    counts.push_back(t.numel());
+    flat.push_back(t.reshape(-1));
   }
-  std::vector<at::Tensor> flat;
-  for (auto& t : inputs[0]) flat.push_back(t.reshape(-1));
+  XR_CHECK(rank_, outputs[0].numel() == counts[static_cast<size_t>(rank_)], "reduce_scatter: this rank's input tensor ",
+           rank_, " has ", counts[static_cast<size_t>(rank_)], " elements, the output ", outputs[0].numel());
   at::Tensor input = at::cat(flat);
   at::Tensor output = outputs[0];
-  return _reduce_scatter_base(output, input, opts);
+  return reduceScatterBlocks(output, input, counts, opts, "reduce_scatter");
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,

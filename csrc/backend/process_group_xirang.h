@@ -165,6 +165,12 @@ class ProcessGroupXirang : public c10d::Backend {
   void abortWith(const std::string& why);
   // allreduce of one sparse COO CPU tensor (ReduceOp.SUM only, as gloo); see the .cc.
   c10::intrusive_ptr<c10d::Work> allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
+  // reduce-scatter of `input`, cut into blocks of counts[r] elements for rank r (in rank order;
+  // the same counts on every rank: a rank that disagrees gets the engine's size mismatch), into
+  // `output` (counts[rank] elements). `name` names the caller's op in errors.
+  c10::intrusive_ptr<c10d::Work> reduceScatterBlocks(at::Tensor& output, at::Tensor& input,
+                                                     const std::vector<int64_t>& counts,
+                                                     const c10d::ReduceScatterOptions& opts, const char* name);
   // Queues a collective (op_queue.h) and adds its Work to an open coalescing batch.
   c10::intrusive_ptr<c10d::Work> enqueue(OpSpec spec, std::shared_ptr<OpStage> stage, OpFn fn);
   // A point-to-point operation (p2p.h), likewise.

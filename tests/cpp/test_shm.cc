@@ -9,6 +9,8 @@
 #include <catch2/catch.hpp>
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -429,6 +431,34 @@ TEST_CASE("shm: the segment is mode 0600 while being set up and gone from /dev/s
     out[static_cast<size_t>(r)] = x;
   });
   for (const auto& x : out) CHECK(x == std::vector<int32_t>{6, 60});
+}
+
+TEST_CASE("shm: a creator gone after publishing the segment's name: its peers remove the name", "[shm]") {
+  // Found by a new user: the creating rank SIGKILLed during group creation (after it published
+  // the name, before every local rank mapped the segment) left it in /dev/shm for good. Here the
+  // creator's part is played by hand: a segment that is never completed, its token published, and
+  // the creator "gone"; rank 1, failing, removes the name.
+  const std::string prefix = uniquePrefix("gone");
+  const std::string token = "0123456789abcdef";
+  const int fd = shm_open((prefix + token).c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(ftruncate(fd, 1 << 16) == 0);
+  close(fd);
+  REQUIRE(shmEntries(prefix).size() == 1);
+  MemStore store;
+  ShmOptions o;
+  o.name_prefix = prefix;
+  o.slot_bytes = 1 << 16;
+  o.peer_gone = [](int peer) { return peer == 0 ? std::string("rank 0 closed its connection") : std::string(); };
+  store.set(o.key_prefix + "/token", token);
+  std::string err;
+  try {
+    ShmDomain::create(1, {0, 1}, store, o, after(milliseconds(20000)));
+  } catch (const tp::ShmUnavailable& e) {
+    err = e.what();
+  }
+  CHECK(err.find("the segment's header does not match") != std::string::npos);
+  CHECK(shmEntries(prefix).empty());
 }
 
 TEST_CASE("shm: a bad XIRANG_SHM_BYTES is a clear error on every local rank, at once", "[shm][env]") {

@@ -384,6 +384,33 @@ def test_reduce_scatter(backend, ws, dtype, op, pool):
         assert_reduced(res[me], inputs, op, strict16=backend != "gloo", what=f"reduce_scatter rank {me}")
 
 
+def _uneven(j):
+    """Elements of chunk j in the uneven reduce_scatter tests: an empty chunk, small ones and one
+    above the direct exchange's 64 KiB (the ring's blocks)."""
+    return (0, 5, 20001, 3)[j]
+
+
+def w_reduce_scatter_uneven(dtype, op):
+    ins = [make_input(rank(), _uneven(j), dtype, op, f"rsu{j}") for j in range(size())]
+    out = torch.full((_uneven(rank()),), -7, dtype=dt(dtype))
+    dist.reduce_scatter(out, ins, op=redop(op), group=mp_pool.group())
+    return out
+
+
+@pytest.mark.parametrize("ws", WS_MULTI)
+@pytest.mark.parametrize("dtype,op", [("float32", "SUM"), ("bfloat16", "SUM"), ("int32", "MAX"), ("float64", "AVG")],
+                         ids=_ids)
+def test_reduce_scatter_uneven_chunks(backend, ws, dtype, op, pool):
+    """Found by a new user: chunks of different sizes (chunk r of every rank has rank r's output
+    size), which gloo takes, were refused ("input tensor has 2 elements, output 1")."""
+    skip_gloo(backend, "reduce_scatter", dtype, op)
+    res = pool.run(w_reduce_scatter_uneven, dtype, op)
+    for me in range(ws):
+        assert res[me].numel() == _uneven(me)
+        inputs = [make_input(r, _uneven(me), dtype, op, f"rsu{me}") for r in range(ws)]
+        assert_reduced(res[me], inputs, op, strict16=backend != "gloo", what=f"uneven reduce_scatter rank {me}")
+
+
 def w_reduce_scatter_tensor(dtype, op, n, async_op=False):
     t = make_input(rank(), n * size(), dtype, op, "rst")
     out = torch.empty(n, dtype=dt(dtype))

@@ -138,6 +138,25 @@ def test_train_text_default_corpus_and_user_data(tmp_path):
     assert _read(str(s2))["heldout_perplexity"] < 300.0
 
 
+@pytest.mark.parametrize("script,args,msg", [
+    ("examples/train.py", ["--batch-size", "0"], "--batch-size must be >= 1"),
+    ("examples/train.py", ["--lr", "nan"], "--lr and --bucket-cap-mb must be finite and > 0"),
+    ("examples/train.py", ["--layers-per-group", "0"], "--layers-per-group must be >= 1"),
+    ("benchmarks/allreduce.py", ["--iters", "-3"], "--iters and --warmup must be >= 0"),
+    ("benchmarks/allreduce.py", ["--sizes", "bogus"], "--sizes 'bogus': expected 'LO-HI' or a list"),
+    ("benchmarks/allreduce.py", ["--sizes", "inf"], "--sizes 'inf': expected 'LO-HI' or a list"),
+    ("benchmarks/allreduce.py", ["--ws", "2,x"], "--ws '2,x': expected world sizes"),
+])
+def test_bad_arguments_are_usage_errors(script, args, msg):
+    """Found by a new user: train.py --batch-size 0 died in the first step with an IndexError, and
+    allreduce.py --iters -3 printed negative times and bandwidths (exit 0), --sizes bogus a
+    traceback. Each is now argparse's usage error (exit 2) before any rank starts."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert msg in p.stderr, p.stderr[-2000:]
+
+
 def test_train_xirang_missing_is_a_clear_error():
     spec_ok = subprocess.run([sys.executable, "-c", "import xirang"], cwd=tempfile.gettempdir(),
                              capture_output=True).returncode == 0

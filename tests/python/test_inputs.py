@@ -203,6 +203,22 @@ def test_shape_mismatch_is_an_error_on_both_ranks(backend, ws, pool):
     errors_on_every_rank(res, r"shape|size|count|numel|bytes|elements|mismatch", "(1,2560) vs (2,2560)")
 
 
+def w_uneven_rs_mismatch():
+    """Chunk sizes the ranks disagree on (same total): rank 0 [2, 3], rank 1 [3, 2]."""
+    sizes = [2, 3] if rank() == 0 else [3, 2]
+    ins = [torch.ones(k) for k in sizes]
+    out = torch.empty(sizes[rank()])
+    return mp_pool.capture(dist.reduce_scatter, out, ins, group=mp_pool.group())
+
+
+@pytest.mark.xirang_only
+@pytest.mark.parametrize("ws", [2])
+def test_uneven_reduce_scatter_chunks_that_disagree_are_an_error_on_both_ranks(backend, ws, pool):
+    res = pool.run(w_uneven_rs_mismatch, timeout=30)
+    pool.discard()
+    errors_on_every_rank(res, r"mismatch|bytes|elements", "chunks [2, 3] vs [3, 2]")
+
+
 def w_hook_op_bad_args(wire):
     """The hook's op (allreduce_ef) given a residual of the wrong size, then a residual that
     shares storage with the staging buffer: each a RuntimeError before anything is sent."""

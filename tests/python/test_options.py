@@ -55,7 +55,7 @@ def test_options_timeout_accepts_timedelta_and_seconds():
     ("XIRANG_DEBUG", "LOUD", "ValueError xirang: XIRANG_DEBUG='LOUD' is not a log level: accepted values are "
                              "WARN, INFO, TRACE (case-insensitive)"),
     ("XIRANG_RING_ORDER", "random", "XIRANG_RING_ORDER must be topology or rank"),
-    ("XIRANG_SPIN_US", "20000", "ValueError XIRANG_SPIN_US=20000 must be 0 to 10000 microseconds"),
+    ("XIRANG_SPIN_US", "20000", "ValueError xirang: XIRANG_SPIN_US=20000 must be 0 to 10000 microseconds"),
     ("XIRANG_SPIN_US", "-1", "XIRANG_SPIN_US=-1 must be 0 to 10000 microseconds"),
     ("XIRANG_SPIN_US", "fast", "ValueError xirang: XIRANG_SPIN_US='fast' is not an integer"),
     ("XIRANG_SEND_THREAD_BYTES", "lots", "ValueError xirang: XIRANG_SEND_THREAD_BYTES='lots' is not an integer"),
@@ -64,6 +64,16 @@ def test_options_timeout_accepts_timedelta_and_seconds():
     ("XIRANG_STATS_CAPACITY", "0", "XIRANG_STATS_CAPACITY=0 must be 1 to 16777216 records"),
     ("XIRANG_HOST", "node\t1", "XIRANG_HOST='node\\t1': a host or rack label must be printable"),
     ("XIRANG_RACK", "r\n2", "XIRANG_RACK='r\\n2': a host or rack label must be printable"),
+    # found by a new user: accepted silently (the CUDA transport is read by a CUDA build's engine
+    # only; the test knobs at their first use, or never)
+    ("XIRANG_CUDA_TRANSPORT", "bogus", "ValueError xirang: XIRANG_CUDA_TRANSPORT must be auto, host, mirror or nccl, "
+                                       "got 'bogus'"),
+    ("XIRANG_TEST_DELAY_MS", "-5", "ValueError xirang: XIRANG_TEST_DELAY_MS=-5 must be 0 to 600000 milliseconds"),
+    ("XIRANG_TEST_DELAY_MS", "abc", "ValueError xirang: XIRANG_TEST_DELAY_MS='abc' is not an integer"),
+    ("XIRANG_TEST_DIE_AFTER_SEGMENTS", "abc", "ValueError xirang: XIRANG_TEST_DIE_AFTER_SEGMENTS='abc' must be k or k@r"),
+    ("XIRANG_TEST_DIE_AFTER_SEGMENTS", "3@x", "XIRANG_TEST_DIE_AFTER_SEGMENTS='3@x' must be k or k@r"),
+    ("XIRANG_TEST_DIE_IN_REBUILD", "two", "ValueError xirang: XIRANG_TEST_DIE_IN_REBUILD='two' must be empty or a group "
+                                          "rank"),
 ])
 def test_bad_knobs_fail_group_creation_clearly(knob, value, pattern):
     out = _run(
@@ -76,6 +86,25 @@ def test_bad_knobs_fail_group_creation_clearly(knob, value, pattern):
         **{knob: value},
     )
     assert "ERROR" in out.stdout and pattern in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
+
+
+def test_nccl_on_a_build_without_cuda_says_it_has_no_effect():
+    """Found by a new user: XIRANG_CUDA_TRANSPORT=nccl, documented as "the NCCL engine or an error at
+    group creation saying why not", was taken in silence by a build without the CUDA path."""
+    import xirang
+
+    if xirang.build_info().get("cuda"):
+        pytest.skip("this xirang has its CUDA path: tests/cuda_build.sh checks nccl there")
+    out = _run(
+        """
+        dist.init_process_group("xirang", store=store, rank=0, world_size=1)
+        x = torch.ones(3); dist.all_reduce(x); print("OK", x.tolist())
+        """,
+        XIRANG_CUDA_TRANSPORT="nccl",
+    )
+    assert "OK [1.0, 1.0, 1.0]" in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
+    assert out.stderr.count("XIRANG_CUDA_TRANSPORT=nccl has no effect: this xirang was built without its CUDA "
+                            "path") == 1, out.stderr[-2000:]
 
 
 def test_a_spare_without_elastic_mode_fails_at_once():

@@ -273,3 +273,24 @@ def test_empty_rank_files_are_named(tmp_path):
     assert a["run"]["records"] == 1
     assert warns == ["no records from 1 of 2 ranks (0) in '(no run id)' (rank<N>.jsonl missing or empty): "
                      "the figures cover the other ranks only"], warns
+
+
+def test_a_stray_line_does_not_hide_the_run(tmp_path):
+    """Found by a new user: one incomplete line (`{"op": "all_reduce"}`, no run id, no seq) appended
+    to a real rank0.jsonl became a run of its own, "(no run id)", which the report showed by
+    default with 0 operations. The default is now the last run with a collective in it."""
+    from xirang.report.cli import build
+
+    d = tmp_path / "stats"
+    d.mkdir()
+    recs = [dict(r, run_id="run-a") for r in _scale_records(5)]
+    for rank in (0, 1):
+        lines = [json.dumps(r) for r in recs if r["global_rank"] == rank]
+        if rank == 0:
+            lines.append(json.dumps({"op": "all_reduce"}))
+        (d / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    chosen, a, warns = build(str(d))
+    assert len(chosen) == len(recs) and a["steps"] == 5, (len(chosen), a["steps"])
+    assert any("2 runs in the input" in w and "showing 'run-a'" in w for w in warns), warns
+    chosen, _, _ = build(str(d), run="(no run id)")  # still there when asked for
+    assert chosen == [{"op": "all_reduce", "global_rank": 0}]

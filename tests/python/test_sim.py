@@ -420,8 +420,12 @@ BAD_ARGS = [
     (["--gpus", "80", "--pp", "5"], "pp (5)"), (["--model", "gpt3-1.3b", "--gpus", "256", "--pp", "128"], "pp (128)"),
     (["--paper", "--tp", "3"], "--paper"), (["--paper", "--tp", "64"], "--paper"),
     (["--recommend", "--tp", "3"], "--recommend"), (["--paper", "--gpus-per-host", "6"], "--paper, 8 GPUs"),
-    (["--oversub", "1e308"], "overflow"), (["--params", "1e307"], "overflow"), (["--mfu", "1e-320"], "overflow"),
-    (["--paper", "--oversub", "1e308"], "overflow"),
+    (["--oversub", "1e308"], "--oversub must be <= 1000"), (["--params", "1e307"], "overflow"),
+    (["--mfu", "1e-320"], "overflow"), (["--paper", "--oversub", "1e308"], "--oversub must be <= 1000"),
+    # found by a new user: 0.5 gave the numbers of 1 (the hosts' links bound the traffic), silently
+    (["--oversub", "0.5"], "--oversub must be >= 1"),
+    # found by a new user: --recommend ignored --gpus
+    (["--recommend", "--gpus", "16"], "--gpus does not apply"), (["--recommend", "--gpus=64"], "--gpus does not apply"),
     (["--gpus", "16777216"], "--gpus must be <= 1048576"), (["--layers", "1000000"], "--layers must be <= 100000"),
     (["--microbatches", "1000000"], "--microbatches must be <= 100000"),
 ]

@@ -3,8 +3,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <stdexcept>
 #include <utility>
 
 #include "core/env.h"
@@ -127,14 +129,24 @@ std::string compareHeader(const FrameHeader& e, const FrameHeader& g, int peer) 
   return out;
 }
 
+std::pair<int64_t, int> dieAfterSegmentsKnob() {
+  const std::string v = env::get("XIRANG_TEST_DIE_AFTER_SEGMENTS");
+  const size_t at = v.find('@');
+  const std::string k = v.substr(0, at), r = at == std::string::npos ? std::string() : v.substr(at + 1);
+  auto digits = [](const std::string& s) {
+    return !s.empty() && s.size() <= 9 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (!digits(k) || (at != std::string::npos && !digits(r)))
+    throw std::invalid_argument("xirang: XIRANG_TEST_DIE_AFTER_SEGMENTS='" + v.substr(0, 64) +
+                                "' must be k or k@r (k data frames, group rank r: integers >= 0)");
+  return {std::stoll(k), r.empty() ? -1 : std::stoi(r)};
+}
+
 void dieAfterSegmentsHook(int rank, uint64_t payload) {
   static const std::pair<int64_t, int> knob = [] {
-    std::string v = env::get("XIRANG_TEST_DIE_AFTER_SEGMENTS");
-    size_t at = v.find('@');
     try {
-      return std::make_pair(static_cast<int64_t>(std::stoll(v.substr(0, at))),
-                            at == std::string::npos ? -1 : std::stoi(v.substr(at + 1)));
-    } catch (const std::exception&) {
+      return dieAfterSegmentsKnob();
+    } catch (const std::exception&) {  // group creation refused it; a transport made without one
       return std::make_pair(int64_t{0}, -1);
     }
   }();

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "core/dtype.h"
 
@@ -69,5 +70,8 @@ std::string compareHeader(const FrameHeader& expected, const FrameHeader& got, i
 // a payload (elastic mode's failure injection). Every transport calls it once per data frame
 // (shared memory: once per piece it wrote), with the frame's payload bytes.
 void dieAfterSegmentsHook(int rank, uint64_t payload);
+// Its value: {k, r} (r = -1 without @r; k = 0 when unset: never). std::invalid_argument naming the
+// knob when it is not "k" or "k@r" with k and r >= 0 (checked at group creation).
+std::pair<int64_t, int> dieAfterSegmentsKnob();
 
 }  // namespace xirang::transport

@@ -96,8 +96,9 @@ int pidfdOpen(pid_t pid) {
 #endif
 }
 
-// Removes the segment's name when it goes out of scope, unless released: the creator's
-// guarantee that no path out of create() leaves the name in /dev/shm.
+// Removes the segment's name when it goes out of scope, unless released: the guarantee that no
+// path out of create() leaves the name in /dev/shm (the creator's from its creation, the others'
+// from the moment they read it; a name removed twice is ENOENT, harmless).
 struct Unlinker {
   std::string name;
   ~Unlinker() {
@@ -308,6 +309,9 @@ std::unique_ptr<ShmDomain> ShmDomain::create(int rank, std::vector<int> local_ra
       throw ShmUnavailable("xirang: shared memory unavailable: rank " + std::to_string(creator) + ": " + token.substr(1),
                            creator);
     d->name_ = opts.name_prefix + token;
+    // Every rank that knows the name removes it on its way out (as the creator does): a creator
+    // killed before it removed the name (during the others' set-up) must not leave it behind.
+    unlinker.name = d->name_;
     std::string why;
     const int fd = shm_open(d->name_.c_str(), O_RDWR, 0);
     struct stat st {};

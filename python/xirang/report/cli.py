@@ -25,7 +25,10 @@ def build(path: str, run: Optional[str] = None) -> Tuple[List[dict], Dict[str, A
     runs = split_runs(recs)
     names = [n for n, _ in runs]
     if run is None:
-        name, chosen = runs[-1]
+        # the last run with a collective in it: a stray line (no run id, no seq: a truncated or
+        # hand-made record) appended to a file is a "run" of its own, and must not hide the real one
+        name, chosen = next(((n, lst) for n, lst in reversed(runs)
+                             if any(isinstance(r.get("seq"), int) and r["seq"] > 0 for r in lst)), runs[-1])
     else:
         hit = [(n, lst) for n, lst in runs if n == run or n.split(" #")[0] == run]
         if not hit and run.lstrip("-").isdigit() and -len(runs) <= int(run) < len(runs):

@@ -74,19 +74,21 @@ _LIMITS = [("params", 0, True), ("layers", 1, True), ("tp", 1, True), ("pp", 1, 
            ("gpus", 1, True), ("gpus_per_host", 1, True), ("hosts_per_rack", 1, True),
            ("host_gbyteps", 0, False), ("host_alpha_us", 0, True), ("rack_gbitps", 0, False),
            ("rack_alpha_us", 0, True), ("xrack_gbitps", 0, False), ("xrack_alpha_us", 0, True),
-           ("oversub", 0, False), ("launch_us", 0, True), ("codec_gbyteps", 0, False), ("cpu_gbyteps", 0, True),
+           ("oversub", 1, True), ("launch_us", 0, True), ("codec_gbyteps", 0, False), ("cpu_gbyteps", 0, True),
            ("cores_per_host", 0, True), ("group", 1, True), ("bucket_mb", 0, True), ("cores", 0, True)]
 
 
 # counts the simulation walks one by one: beyond these a run takes minutes and gigabytes (2^24
 # GPUs: 41 s, 3 GB); 2^20 GPUs and 10^5 layers are past any cluster or model built so far
-_MAX = {"gpus": 1 << 20, "layers": 100_000, "microbatches": 100_000}
+_MAX = {"gpus": 1 << 20, "layers": 100_000, "microbatches": 100_000, "oversub": 1000}
 
 
 def check_args(a) -> Optional[str]:
     """The first argument out of range as a one-line message ("--gpus must be >= 1, got 0"), or None.
     Counts are >= 1, rates and sizes > 0, latencies and overheads >= 0, --mfu in (0, 1], all finite;
-    --gpus at most 2^20, --layers and --microbatches at most 10^5."""
+    --gpus at most 2^20, --layers and --microbatches at most 10^5; --oversub (the uplinks'
+    oversubscription ratio, 1 = full bisection: below 1 the hosts' own links bound the traffic, so
+    it would change nothing) 1 to 1000."""
     for name, low, inclusive in _LIMITS:
         v = getattr(a, name, None)
         if v is None:

@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 import os
+import sys
 
 from .args import add_args, build, check_args, settings
 from .calibrate import calibrate
@@ -36,6 +37,10 @@ def main(argv=None) -> int:
     bad = check_args(a)
     if bad:
         p.error(bad)
+    given = sys.argv[1:] if argv is None else list(argv)
+    if a.recommend and any(x == "--gpus" or x.startswith("--gpus=") for x in given):
+        p.error("--recommend runs every scale from 8 to 1024 GPUs: --gpus does not apply (drop it, or simulate "
+                "one scale without --recommend)")
     try:
         return run_mode(a)
     except SettingsError as e:
