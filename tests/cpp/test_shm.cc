@@ -459,6 +459,28 @@ TEST_CASE("shm: a creator gone after publishing the segment's name: its peers re
   }
   CHECK(err.find("the segment's header does not match") != std::string::npos);
   CHECK(shmEntries(prefix).empty());
+  // killed earlier, while it reserved the pages: the token never came, but the name it meant to
+  // use is in the store (set before the file was made), and the peer removes it
+  MemStore store2;
+  const int fd2 = shm_open((prefix + token).c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  REQUIRE(fd2 >= 0);
+  close(fd2);
+  store2.set(o.key_prefix + "/name", std::string(32, 'a'));  // not this one's: a well-formed other name
+  std::string err2;
+  const std::string other = prefix + std::string(32, 'a');
+  const int fd3 = shm_open(other.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  REQUIRE(fd3 >= 0);
+  close(fd3);
+  try {
+    ShmDomain::create(1, {0, 1}, store2, o, after(milliseconds(20000)));
+  } catch (const tp::TransportError& e) {
+    err2 = e.what();
+  }
+  CHECK(err2.find("rank 0 is gone before it could create the segment: rank 0 closed its connection") !=
+        std::string::npos);
+  const auto left = shmEntries(prefix);
+  CHECK(left == std::vector<std::string>{(prefix + token).substr(1)});  // the named one went, not the other
+  shm_unlink((prefix + token).c_str());
 }
 
 TEST_CASE("shm: a bad XIRANG_SHM_BYTES is a clear error on every local rank, at once", "[shm][env]") {

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -148,6 +149,19 @@ std::string getOrTimeout(Store& store, const std::string& key, Deadline deadline
   }
 }
 
+// The creator failed before it published the token: remove the segment it meant to create, if
+// it said its name (a 32-digit hex token; anything else is left alone). Never throws.
+void removeIntended(Store& store, const ShmOptions& opts) {
+  try {
+    const std::string k = opts.key_prefix + "/name";
+    if (!store.check(k)) return;
+    const std::string v = store.get(k, Clock::now() + std::chrono::seconds(1));
+    if (v.size() == 32 && std::all_of(v.begin(), v.end(), [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); }))
+      shm_unlink((opts.name_prefix + v).c_str());
+  } catch (const std::exception&) {
+  }
+}
+
 }  // namespace
 
 struct ShmDomain::Header {
@@ -263,7 +277,11 @@ std::unique_ptr<ShmDomain> ShmDomain::create(int rank, std::vector<int> local_ra
     std::string why;
     try {
       const auto [header_bytes, total] = layout(slot);
-      const std::string name = opts.name_prefix + keyToHex(randomKey());
+      const std::string token = keyToHex(randomKey());
+      // The name before the file: peers that see this rank gone before it published the token
+      // remove the name (a creator killed while it reserved the pages left it in /dev/shm).
+      store.set(opts.key_prefix + "/name", token);
+      const std::string name = opts.name_prefix + token;
       const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
       if (fd < 0) {
         why = "cannot create the segment " + name + " (" + errnoText(errno) + ")";
@@ -303,7 +321,13 @@ std::unique_ptr<ShmDomain> ShmDomain::create(int rank, std::vector<int> local_ra
       store.set(key("mapped", rank), kInvalidMark + bad_knob);
       throw invalid(rank, bad_knob);
     }
-    const std::string token = getOrTimeout(store, opts.key_prefix + "/token", deadline, creator, "create the segment", opts.peer_gone);
+    std::string token;
+    try {
+      token = getOrTimeout(store, opts.key_prefix + "/token", deadline, creator, "create the segment", opts.peer_gone);
+    } catch (...) {
+      removeIntended(store, opts);
+      throw;
+    }
     if (!token.empty() && token[0] == kInvalidMark) throw invalid(creator, token.substr(1));
     if (!token.empty() && token[0] == '!')
       throw ShmUnavailable("xirang: shared memory unavailable: rank " + std::to_string(creator) + ": " + token.substr(1),
