@@ -182,25 +182,9 @@ def w_dtype_mismatch():
     return mp_pool.capture(dist.all_reduce, t, group=mp_pool.group())
 
 
-@pytest.mark.xirang_only
-@pytest.mark.parametrize("ws", [3])
-def test_dtype_mismatch_is_an_error_on_all_ranks(backend, ws, pool):
-    res = pool.run(w_dtype_mismatch, timeout=30)
-    pool.discard()
-    errors_on_every_rank(res, r"dtype|data type|scalar type|mismatch", "bf16 vs fp32")
-
-
 def w_shape_mismatch():
     t = torch.ones((1 + rank(), 2560))
     return mp_pool.capture(dist.all_reduce, t, group=mp_pool.group())
-
-
-@pytest.mark.xirang_only
-@pytest.mark.parametrize("ws", [2])
-def test_shape_mismatch_is_an_error_on_both_ranks(backend, ws, pool):
-    res = pool.run(w_shape_mismatch, timeout=30)
-    pool.discard()
-    errors_on_every_rank(res, r"shape|size|count|numel|bytes|elements|mismatch", "(1,2560) vs (2,2560)")
 
 
 def w_uneven_rs_mismatch():
@@ -211,12 +195,20 @@ def w_uneven_rs_mismatch():
     return mp_pool.capture(dist.reduce_scatter, out, ins, group=mp_pool.group())
 
 
+# (worker, world size, the error's pattern, what differs)
+MISMATCHES = [
+    (w_dtype_mismatch, 3, r"dtype|data type|scalar type|mismatch", "bf16 vs fp32"),
+    (w_shape_mismatch, 2, r"shape|size|count|numel|bytes|elements|mismatch", "(1,2560) vs (2,2560)"),
+    (w_uneven_rs_mismatch, 2, r"mismatch|bytes|elements", "reduce_scatter chunks [2, 3] vs [3, 2]"),
+]
+
+
 @pytest.mark.xirang_only
-@pytest.mark.parametrize("ws", [2])
-def test_uneven_reduce_scatter_chunks_that_disagree_are_an_error_on_both_ranks(backend, ws, pool):
-    res = pool.run(w_uneven_rs_mismatch, timeout=30)
+@pytest.mark.parametrize("worker,ws,pattern,what", MISMATCHES, ids=[m[3] for m in MISMATCHES])
+def test_ranks_that_disagree_get_an_error_on_every_rank(backend, worker, ws, pattern, what, pool):
+    res = pool.run(worker, timeout=30)
     pool.discard()
-    errors_on_every_rank(res, r"mismatch|bytes|elements", "chunks [2, 3] vs [3, 2]")
+    errors_on_every_rank(res, pattern, what)
 
 
 def w_hook_op_bad_args(wire):
