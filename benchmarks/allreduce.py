@@ -384,8 +384,8 @@ def main(argv=None) -> int:
         ap.error(f"--ws {a.ws!r}: expected world sizes like '2,4'")
     if a.iters < 0 or a.warmup < 0:
         ap.error("--iters and --warmup must be >= 0 (--iters 0: auto)")
-    if not a.timeout > 0 or not a.op_timeout > 0:
-        ap.error("--timeout and --op-timeout must be > 0 seconds")
+    if not 0 < a.timeout < 1e7 or not 0 < a.op_timeout < 1e7:
+        ap.error("--timeout and --op-timeout must be > 0 seconds (and finite)")
     cfg = {"sizes": sizes, "reps": a.reps, "warmup": a.warmup, "iters": a.iters,
            "dtype": a.dtype, "ceiling": a.ceiling, "shm": a.shm, "timeout": a.timeout, "op_timeout": a.op_timeout}
     if not wss or min(wss) < 2:

@@ -106,9 +106,11 @@ void checkSettings(const std::string& algorithm) {
                                   " must be 0 to 600000 milliseconds");
     (void)transport::dieAfterSegmentsKnob();
     const std::string die = env::get("XIRANG_TEST_DIE_IN_REBUILD");
-    if (!die.empty() && (die.size() > 9 || !std::all_of(die.begin(), die.end(), [](char c) { return c >= '0' && c <= '9'; })))
+    // elastic.cc compares it with the rank's decimal text: no sign, no leading zero
+    if (!die.empty() && (die.size() > 9 || (die.size() > 1 && die[0] == '0') ||
+                         !std::all_of(die.begin(), die.end(), [](char c) { return c >= '0' && c <= '9'; })))
       throw std::invalid_argument("xirang: XIRANG_TEST_DIE_IN_REBUILD='" + die.substr(0, 64) +
-                                  "' must be empty or a group rank (an integer >= 0)");
+                                  "' must be empty or a group rank (an integer >= 0, no leading zero)");
     const std::string key_file = env::get("XIRANG_AUTH_KEY_FILE");
     if (!key_file.empty()) transport::loadKeyFile(key_file);
     const std::string ifname = env::get("XIRANG_SOCKET_IFNAME");

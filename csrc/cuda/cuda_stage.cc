@@ -375,13 +375,18 @@ struct NcclDevice : LinkDevice {
     (void)streamFor(d);
     c10::cuda::CUDAGuard guard(d);
     device::NcclApi& api = cuda::ncclApi();  // loadable: every rank said so in the choice
-    transport::NcclStart st = transport::startNcclAgreed(api, *setup.store, key(), setup.rank, setup.size, deadline,
-                                                         setup.group_name, stopCheck(setup.rank, setup.size));
+    const int rank = setup.rank, size = setup.size;
+    // The link (its events and buffers) is made before this rank says it has a communicator: a
+    // rank that cannot make it falls back with the others instead of leaving them to wait.
+    std::unique_ptr<transport::NcclLink> l;
+    transport::NcclStart st =
+        transport::startNcclAgreed(api, *setup.store, key(), rank, size, deadline, setup.group_name,
+                                   stopCheck(rank, size), [&](device::NcclComm c) { l = newLink(api, c, rank, size); });
     if (!st.comm) {
       *why = st.why;
-      return false;
+      return false;  // `l`, if made, tears its communicator down
     }
-    adopt(api, st.comm, setup.rank, setup.size);
+    adopt(std::move(l), rank, size);
     return true;
   }
 
@@ -391,7 +396,17 @@ struct NcclDevice : LinkDevice {
     const int rank = host.rank, size = host.size();
     const transport::StopCheck stop = stopCheck(rank, size);
     device::NcclUniqueId id = transport::shareNcclUniqueId(api, *setup.store, key(), rank, deadline, stop);
-    adopt(api, transport::initNcclComm(api, id, rank, size, deadline, setup.group_name, stop), rank, size);
+    const device::NcclComm c = transport::initNcclComm(api, id, rank, size, deadline, setup.group_name, stop);
+    std::unique_ptr<transport::NcclLink> l;
+    try {
+      l = newLink(api, c, rank, size);
+    } catch (...) {
+      // the peers' communicator must not wait for this one
+      device::NcclApi* p = &api;
+      (void)transport::boundedTeardown([p, c] { return p->commAbort(c); }, "ncclCommAbort", rank);
+      throw;
+    }
+    adopt(std::move(l), rank, size);
   }
 
  private:
@@ -418,18 +433,14 @@ struct NcclDevice : LinkDevice {
       return {};
     };
   }
-  // The link over communicator `c` (aborted if the link cannot be made), installed.
-  void adopt(device::NcclApi& api, device::NcclComm c, int rank, int size) {
-    auto s = reinterpret_cast<device::Stream>(raw);
-    std::unique_ptr<transport::NcclLink> l;
-    try {
-      l = std::make_unique<transport::NcclLink>(api, cuda::runtimeApi(), c, rank, size, s);
-    } catch (...) {
-      // the peers' communicator must not wait for this one
-      device::NcclApi* p = &api;
-      (void)transport::boundedTeardown([p, c] { return p->commAbort(c); }, "ncclCommAbort", rank);
-      throw;
-    }
+  // The link over communicator `c` on the engine's stream; it owns `c` once made (if it throws,
+  // `c` is still the caller's).
+  std::unique_ptr<transport::NcclLink> newLink(device::NcclApi& api, device::NcclComm c, int rank, int size) {
+    return std::make_unique<transport::NcclLink>(api, cuda::runtimeApi(), c, rank, size,
+                                                 reinterpret_cast<device::Stream>(raw));
+  }
+  // Installs link `l`.
+  void adopt(std::unique_ptr<transport::NcclLink> l, int rank, int size) {
     // A peer that failed elsewhere writes the group's abort note (Tcp::abort); a rank blocked in
     // NCCL reads it here (every 200 ms of a wait), as NCCL tells only the ranks a failed call joins.
     l->setStopCheck([s = setup] { return abortNote(s); }, std::chrono::milliseconds(200));
@@ -599,7 +610,20 @@ bool Engine::useNccl(bool device_link, const std::vector<at::Tensor>& tensors) {
   // whatever the choice.
   if (!device_link) return false;
   std::lock_guard<std::mutex> g(decide_mu_);
-  if (!use_nccl_) decideAuto(tensors);
+  // A decision that failed (a peer gone, the group aborted) is not made again: its store keys
+  // serve one attempt, and the group is failing anyway.
+  TORCH_CHECK(decide_failed_.empty(), decide_failed_);
+  if (!use_nccl_) {
+    try {
+      decideAuto(tensors);
+    } catch (const c10::Error& e) {
+      decide_failed_ = e.what_without_backtrace();
+      throw;
+    } catch (const std::exception& e) {
+      decide_failed_ = e.what();
+      throw;
+    }
+  }
   if (!said_) {
     said_ = true;
     const std::string why = auto_why_.empty() ? std::string() : ": " + auto_why_;

@@ -212,6 +212,7 @@ class Engine : public DeviceEngine {
   std::optional<bool> use_nccl_;          // unset: auto, not decided yet
   std::string auto_why_;                  // auto's reason
   bool said_ = false;                     // the INFO line naming the transport, once per group
+  std::string decide_failed_;             // auto's decision threw: every later CUDA collective throws it
 };
 
 }  // namespace xirang::cudastage

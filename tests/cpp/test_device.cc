@@ -1302,6 +1302,34 @@ TEST_CASE("auto transport: every rank makes its NCCL communicator, or every rank
     CHECK(!x.comm);
     CHECK(x.why.rfind("rank 0 could not make its NCCL communicator: ncclGetUniqueId: NCCL error 3", 0) == 0);
   }
+  // every rank made its communicator, but rank 2 cannot make its link (prepare: the link's
+  // buffers, cudaMallocHost out of memory): every rank falls back; the communicators that were
+  // prepared are the callers' to tear down
+  {
+    MemStore store;
+    std::vector<StartOutcome> out(3);
+    std::vector<dv::NcclComm> kept(3, nullptr);
+    t0 = xirang_test::Clock::now();
+    runRanks(3, [&](int r) {
+      const tp::NcclStart st = tp::startNcclAgreed(
+          dev.nccl(), store, "xirang/test/0/nccl/p/epoch0", r, 3, after(milliseconds(20000)), "p", {},
+          [&kept, r](dv::NcclComm c) {
+            if (r == 2) throw std::runtime_error("cudaMallocHost: out of memory");
+            kept[static_cast<size_t>(r)] = c;
+          });
+      out[static_cast<size_t>(r)] = {st.comm != nullptr, st.why};
+    });
+    CHECK(xirang_test::Clock::now() - t0 < milliseconds(5000));
+    for (const auto& x : out) {
+      CHECK(!x.comm);
+      CHECK(x.why == "rank 2 could not make its NCCL communicator: preparing its NCCL link: cudaMallocHost: out of "
+                     "memory");
+    }
+    CHECK(kept[0] != nullptr);
+    CHECK(kept[1] != nullptr);
+    for (auto c : kept)
+      if (c) (void)dev.nccl().commDestroy(c);
+  }
   // a group failure is no fallback: rank 2 never comes and the stop check (a gone peer) says so
   // after 300 ms, when both ranks wait in their init
   t0 = xirang_test::Clock::now();

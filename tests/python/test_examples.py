@@ -146,6 +146,7 @@ def test_train_text_default_corpus_and_user_data(tmp_path):
     ("benchmarks/allreduce.py", ["--sizes", "bogus"], "--sizes 'bogus': expected 'LO-HI' or a list"),
     ("benchmarks/allreduce.py", ["--sizes", "inf"], "--sizes 'inf': expected 'LO-HI' or a list"),
     ("benchmarks/allreduce.py", ["--ws", "2,x"], "--ws '2,x': expected world sizes"),
+    ("benchmarks/allreduce.py", ["--op-timeout", "inf"], "--timeout and --op-timeout must be > 0 seconds"),
 ])
 def test_bad_arguments_are_usage_errors(script, args, msg):
     """Found by a new user: train.py --batch-size 0 died in the first step with an IndexError, and

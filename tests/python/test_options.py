@@ -74,6 +74,7 @@ def test_options_timeout_accepts_timedelta_and_seconds():
     ("XIRANG_TEST_DIE_AFTER_SEGMENTS", "3@x", "XIRANG_TEST_DIE_AFTER_SEGMENTS='3@x' must be k or k@r"),
     ("XIRANG_TEST_DIE_IN_REBUILD", "two", "ValueError xirang: XIRANG_TEST_DIE_IN_REBUILD='two' must be empty or a group "
                                           "rank"),
+    ("XIRANG_TEST_DIE_IN_REBUILD", "01", "XIRANG_TEST_DIE_IN_REBUILD='01' must be empty or a group rank"),
 ])
 def test_bad_knobs_fail_group_creation_clearly(knob, value, pattern):
     out = _run(

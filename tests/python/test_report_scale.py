@@ -294,3 +294,10 @@ def test_a_stray_line_does_not_hide_the_run(tmp_path):
     assert any("2 runs in the input" in w and "showing 'run-a'" in w for w in warns), warns
     chosen, _, _ = build(str(d), run="(no run id)")  # still there when asked for
     assert chosen == [{"op": "all_reduce", "global_rank": 0}]
+    # a later run of point-to-point operations only (seq 0) is a real run: the default
+    p2p = dict(_rec(0, 0, -1), run_id="run-b", op="send")
+    with open(d / "rank0.jsonl", "a") as f:
+        f.write(json.dumps(p2p) + "\n" + json.dumps({"op": "all_reduce"}) + "\n")
+    chosen, _, warns = build(str(d))
+    assert chosen == [p2p], chosen
+    assert any("showing 'run-b'" in w for w in warns), warns

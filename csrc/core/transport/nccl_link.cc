@@ -276,49 +276,71 @@ dv::NcclComm initNcclComm(dv::NcclApi& nccl, const dv::NcclUniqueId& id, int ran
 }
 
 NcclStart startNcclAgreed(dv::NcclApi& nccl, Store& store, const std::string& key, int rank, int size,
-                          Deadline deadline, const std::string& name, const StopCheck& stop) {
+                          Deadline deadline, const std::string& name, const StopCheck& stop,
+                          const std::function<void(device::NcclComm)>& prepare) {
   static const std::string kOk = "ok", kFailed = "failed: ";
   const auto started = Clock::now();
   auto made = [&key](int r) { return key + "/made/" + std::to_string(r); };
   auto failure = [](const std::string& v) { return v.compare(0, kFailed.size(), kFailed) == 0; };
-  // The first failure another rank has set, polled at most every 200 ms ("" while there is none).
+  // A failing rank also sets one shared key, which the others' waits poll (one key, at most every
+  // 200 ms: the store sees O(ranks) requests, not O(ranks^2)); "" while there is none.
+  const std::string any_failed = key + "/failed";
   Clock::time_point next_poll{};
   auto peer_failed = [&]() -> std::string {
-    if (Clock::now() < next_poll) return {};
+    if (Clock::now() < next_poll || !store.check(any_failed)) return {};
     next_poll = Clock::now() + std::chrono::milliseconds(200);
-    for (int r = 0; r < size; ++r) {
-      if (r == rank || !store.check(made(r))) continue;
-      const std::string v = store.get(made(r), deadline);
-      if (failure(v)) return v.substr(kFailed.size(), 4096);
-    }
-    return {};
+    return store.get(any_failed, Clock::now() + std::chrono::seconds(5)).substr(0, 4096);
   };
-  std::string group_failed;  // `stop` ended the attempt: thrown, not a fallback
-  std::string peer_why;      // another rank's failure ended it: this rank records that one
+  std::string group_failed;  // what `stop` said last: an attempt ended by it is thrown, not a fallback
+  std::string peer_why;      // what another rank's failure said last: this rank records that one
   const StopCheck watch = [&]() -> std::string {
     if (stop) {
       std::string w = stop();
       if (!w.empty()) return group_failed = w;
     }
-    return peer_why = peer_failed();
+    std::string w = peer_failed();
+    if (!w.empty()) peer_why = w;
+    return w;
   };
+  auto starts = [](const std::string& s, const std::string& head) { return !head.empty() && s.rfind(head, 0) == 0; };
   dv::NcclComm comm = nullptr;
+  bool prepared = false;  // prepare() returned: the communicator is the caller's from now on
   std::string record = kOk;
   try {
     const dv::NcclUniqueId id = shareNcclUniqueId(nccl, store, key + "/uid", rank, deadline, watch);
     comm = initNcclComm(nccl, id, rank, size, deadline, name, watch);
+    if (prepare) {
+      try {
+        prepare(comm);
+        prepared = true;
+      } catch (const std::exception& e) {
+        throw TransportError(std::string("preparing its NCCL link: ") + e.what(), -1);
+      }
+    }
   } catch (const TransportError& e) {
-    if (!group_failed.empty()) throw;
-    record = kFailed + (!peer_why.empty() ? peer_why
-                                          : "rank " + std::to_string(rank) + " could not make its NCCL communicator: " +
-                                                std::string(e.what()).substr(0, 2048));
+    const std::string what = e.what();
+    if (starts(what, group_failed)) throw;  // the group failed (what the waits' messages start with)
+    if (comm && !prepared) abortInit(nccl, comm, rank);
+    comm = nullptr;
+    record = kFailed + (starts(what, peer_why) ? peer_why
+                                               : "rank " + std::to_string(rank) + " could not make its NCCL communicator: " +
+                                                     what.substr(0, 2048));
+    try {
+      store.set(any_failed, record.substr(kFailed.size()));
+    } catch (const std::exception&) {  // the records below still carry it
+    }
   }
+  auto drop = [&] {
+    if (comm && !prepared) abortInit(nccl, comm, rank);
+  };
   try {
     store.set(made(rank), record);
-    // Every rank's outcome: the attempts end by `deadline` (or soon after the first failure), so
-    // a record still missing well after it is a rank that is gone or stuck.
-    const Deadline late =
-        std::max(deadline, Clock::now()) + std::min<Clock::duration>(Clock::now() - started, std::chrono::seconds(60));
+    // Every rank's outcome: the attempts end by `deadline` (or soon after the first failure, a
+    // failed init's abort taking up to teardownLimit()), so a record still missing well after
+    // that is a rank that is gone or stuck.
+    const Deadline late = std::max(deadline, Clock::now()) +
+                          std::min<Clock::duration>(Clock::now() - started, std::chrono::seconds(60)) + teardownLimit() +
+                          std::chrono::seconds(5);
     std::string why;
     for (int r = 0; r < size && why.empty(); ++r) {
       std::string v = record;
@@ -332,10 +354,10 @@ NcclStart startNcclAgreed(dv::NcclApi& nccl, Store& store, const std::string& ke
       if (v != kOk) why = failure(v) ? v.substr(kFailed.size(), 4096) : "rank " + std::to_string(r) + "'s record did not parse";
     }
     if (why.empty()) return {comm, {}};
-    if (comm) abortInit(nccl, comm, rank);
+    drop();
     return {nullptr, why};
   } catch (...) {
-    if (comm) abortInit(nccl, comm, rank);
+    drop();
     throw;
   }
 }

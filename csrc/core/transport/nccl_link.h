@@ -127,21 +127,28 @@ NcclChoice agreeOnNccl(Store& store, const std::string& key, int rank, int size,
 // on the outcome, so that all ranks fall back to the host-staged engines together when one cannot
 // make it: NCCL's bootstrap cannot reach a peer, a wrong socket interface or IB set-up, device
 // memory exhausted; what auto cannot see before trying. Each rank sets its outcome under `key` +
-// "/made/<rank>" ("ok", or "failed: <why>"); a rank whose own attempt fails sets it at once, and
-// the others' waits (for the unique id, for the init) poll those records and end at the first
-// failure. Returns {comm, ""} when every rank made one, else {nullptr, why} with `why` the first
+// "/made/<rank>" ("ok", or "failed: <why>"); a rank whose own attempt fails also sets `key` +
+// "/failed", the one key the others' waits (for the unique id, for the init) poll: they end at
+// the first failure. Returns {comm, ""} when every rank made one, else {nullptr, why} with `why` the first
 // failure in rank order ("rank r could not make its NCCL communicator: ..."), the same text on
-// every rank, this rank's communicator aborted (boundedTeardown). A failure of the group is no
+// every rank, this rank's communicator aborted (boundedTeardown). `prepare` (optional) runs once
+// this rank's communicator is made, before its outcome is set: what else the rank needs to use it
+// (the link's buffers); its exception is this rank's failure (the communicator aborted), and
+// once it returned the communicator is the caller's, to tear down on a fallback too (the
+// function then returns {nullptr, why} and aborts nothing). A failure of the group is no
 // fallback and is thrown: a non-empty `stop()` (a peer gone, the group aborted:
 // TransportError carrying it) or a rank whose outcome is not set by `deadline` + the time the
-// attempt took at most again, capped at 60 s (TimeoutError naming it); `deadline` itself bounds
-// each rank's attempt (a timed-out init is a failure to make the communicator).
+// attempt took at most again (capped at 60 s) + teardownLimit() + 5 s (TimeoutError naming it);
+// `deadline` itself bounds each rank's attempt (a timed-out init is a failure to make the
+// communicator). The keys under `key` serve one attempt: a caller that tries again must use
+// another `key`.
 struct NcclStart {
   device::NcclComm comm = nullptr;
   std::string why;  // empty: comm is this rank's communicator; else why every rank falls back
 };
 NcclStart startNcclAgreed(device::NcclApi& nccl, Store& store, const std::string& key, int rank, int size,
-                          Deadline deadline, const std::string& name, const StopCheck& stop = {});
+                          Deadline deadline, const std::string& name, const StopCheck& stop = {},
+                          const std::function<void(device::NcclComm)>& prepare = {});
 
 class NcclLink : public Link {
  public:

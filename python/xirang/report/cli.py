@@ -25,10 +25,11 @@ def build(path: str, run: Optional[str] = None) -> Tuple[List[dict], Dict[str, A
     runs = split_runs(recs)
     names = [n for n, _ in runs]
     if run is None:
-        # the last run with a collective in it: a stray line (no run id, no seq: a truncated or
-        # hand-made record) appended to a file is a "run" of its own, and must not hide the real one
+        # the last run with an operation xirang recorded (every record it writes has a seq; 0 for
+        # point-to-point): a stray line (a truncated or hand-made record, no seq) appended to a
+        # file is a "run" of its own, and must not hide the real one
         name, chosen = next(((n, lst) for n, lst in reversed(runs)
-                             if any(isinstance(r.get("seq"), int) and r["seq"] > 0 for r in lst)), runs[-1])
+                             if any(isinstance(r.get("seq"), int) for r in lst)), runs[-1])
     else:
         hit = [(n, lst) for n, lst in runs if n == run or n.split(" #")[0] == run]
         if not hit and run.lstrip("-").isdigit() and -len(runs) <= int(run) < len(runs):
