@@ -540,6 +540,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::allgather_into_tensor_coalesc
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
+  XR_CHECK(rank_, input.numel() == output.numel() * size_, "reduce_scatter_tensor: input has ", input.numel(),
+           " elements, expected world size ", size_, " x output ", output.numel());
   return reduceScatterBlocks(output, input, std::vector<int64_t>(static_cast<size_t>(size_), output.numel()), opts,
                              "reduce_scatter_tensor");
 }
@@ -550,16 +552,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupXirang::reduceScatterBlocks(at::Tenso
                                                                        const char* name) {
   at::Tensor output, input;
   auto stage = bindPair(engines_, rank_, name, output_, input_, output, input);
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  if (std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == output.numel(); })) {
-    XR_CHECK(rank_, input.numel() == output.numel() * size_, name, ": input has ", input.numel(),
-             " elements, expected world size ", size_, " x output ", output.numel());
-  } else {
-    XR_CHECK(rank_, input.numel() == total && output.numel() == counts[static_cast<size_t>(rank_)], name,
-             ": this rank's output has ", output.numel(), " elements, its own input chunk ",
-             counts[static_cast<size_t>(rank_)]);
-  }
   const ReduceOp op = toReduceOp(opts.reduceOp);
   checkReduce(rank_, name, input.scalar_type(), op);
   const double premul = scaleOf(opts.reduceOp, op);

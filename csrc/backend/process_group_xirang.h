@@ -167,7 +167,8 @@ class ProcessGroupXirang : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
   // reduce-scatter of `input`, cut into blocks of counts[r] elements for rank r (in rank order;
   // the same counts on every rank: a rank that disagrees gets the engine's size mismatch), into
-  // `output` (counts[rank] elements). `name` names the caller's op in errors.
+  // `output` (counts[rank] elements; the callers check the sizes against the tensors). `name`
+  // names the caller's op in errors.
   c10::intrusive_ptr<c10d::Work> reduceScatterBlocks(at::Tensor& output, at::Tensor& input,
                                                      const std::vector<int64_t>& counts,
                                                      const c10d::ReduceScatterOptions& opts, const char* name);
