@@ -35,7 +35,8 @@ reference) and prints, after the usual table, one more: step ms, exposed comm ms
 each step time to the best fixed size's, and auto's choice with its predicted and measured exposed
 communication (the hook's stats()["autogroup"], rank 0). Warmup must cover auto's calibration
 (DDP's first step + 4 measured; the choice is applied at the 6th synced step): >= 6, the default
-when an auto config runs.
+when an auto config runs. --json keeps the auto config's calibration samples and inputs
+(``auto_samples``, ``auto_inputs``, rank 0's) to replay its model offline.
 
 Model: --model stack (default): --blocks x [Linear(width, width) -> LayerNorm -> GELU] with
 residual connections, a ModuleList of blocks (the hook's default layers = the blocks), MSE loss,
@@ -450,6 +451,10 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
             if c.hook_state is not None:
                 try:
                     row["autogroup"] = c.hook_state.stats()["autogroup"]
+                    auto = getattr(c.hook_state, "_auto", None)  # auto's calibration, to replay its model offline
+                    if auto is not None:
+                        row["auto_inputs"] = getattr(auto, "_inputs", None)
+                        row["auto_samples"] = [{k: getattr(smp, k) for k in smp.__slots__} for smp in auto.samples]
                     row["layers_per_group"] = c.hook_state.group_size()
                     tot = c.hook_state.stats()["totals"]
                     row["hook"] = {k: tot.get(k) for k in ("groups", "launches_per_step", "bytes_wire_per_step",

@@ -31,12 +31,13 @@ xirang's hook); "xirang+fp16" / "xirang+int8" are the hook with wire="fp16" / "i
 two-level group (fp32 inside hosts, the format across them). "compute" is the same step without
 DDP (no communication).
 Cross-rack MB: bytes_cross_rack of the op's xirang.stats() record, summed over ranks.
---sweep-groups STEPS: the hook (bf16) on the topology-ring group with layers_per_group 1, 2, 4, 8, 16
-and "auto" on --sweep-layers x [Linear(--sweep-width) + ReLU] blocks (one layer each), bucket_cap_mb
+--sweep-groups STEPS: the hook (bf16) on the topology-ring group with layers_per_group --sweep-sizes
+(default 1, 2, 4, 8, 16) and "auto" on --sweep-layers x [Linear(--sweep-width) + ReLU] blocks (one layer each), bucket_cap_mb
 --sweep-bucket-mb; --sweep-warmup untimed steps per size (auto calibrates and decides there), then
 STEPS timed steps with the sizes taking turns; the table gives each size's median step (slowest
 rank), IQR and ratio to the best fixed size, auto's choice and rank 0's model (alpha, beta,
-contention, slowdown, predicted exposed communication per size).
+contention, slowdown, predicted exposed communication per size); --json keeps auto's calibration
+samples and inputs (``auto_samples``, ``auto_inputs``: rank 0's), to replay its model offline.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "cluster"))
 
 KiB, MiB = 1024, 1024 * 1024
 METHODS = ("rank-ring", "topo-ring", "two-level", "gloo")
-SWEEP = (1, 2, 4, 8, 16)  # --sweep-groups: the fixed layers_per_group sizes auto is compared with
+SWEEP = "1,2,4,8,16"  # --sweep-sizes default: the fixed layers_per_group sizes auto is compared with
 
 
 def parse_size(s: str) -> int:
@@ -316,7 +317,7 @@ def worker() -> int:
         width = cfg["sweep_width"]
         g = torch.Generator().manual_seed(rank)
         data = torch.randn(cfg["batch"], width, generator=g)
-        sizes = [str(k) for k in SWEEP] + ["auto"]
+        sizes = [str(k) for k in cfg["sweep_sizes"]] + ["auto"]
         models = {}
         for k in sizes:
             torch.manual_seed(0)
@@ -340,7 +341,10 @@ def worker() -> int:
                      "measured_exposed_s": a.get("measured_exposed_comm_s"),
                      "autogroup": {k: a.get(k) for k in ("alpha_s", "beta_s_per_byte", "contention", "slowdown",
                                                          "predictions_s", "source")},
-                     "params": sum(p.numel() for p in models["auto"][0].parameters())})
+                     "params": sum(p.numel() for p in models["auto"][0].parameters()),
+                     # auto's calibration (internal attributes), to replay its model offline
+                     "auto_inputs": getattr(st._auto, "_inputs", None),
+                     "auto_samples": [{k: getattr(smp, k) for k in smp.__slots__} for smp in st._auto.samples]})
         if rank == 0:
             print("sweep: " + "  ".join(f"{k} {statistics.median(times[k]) * 1e3:.0f} ms" for k in sizes)
                   + f"; auto chose {st.group_size()}", file=sys.stderr, flush=True)
@@ -374,6 +378,8 @@ def main() -> int:
                          "topology ring (0: none), on --sweep-layers x Linear(--sweep-width) blocks")
     ap.add_argument("--sweep-layers", type=int, default=24)
     ap.add_argument("--sweep-width", type=int, default=256)
+    ap.add_argument("--sweep-sizes", default=SWEEP, help="fixed layers_per_group sizes auto is compared with "
+                    "(comma-separated ints >= 1)")
     ap.add_argument("--sweep-warmup", type=int, default=8, help="untimed steps per size first (>= 6: auto's calibration)")
     ap.add_argument("--sweep-bucket-mb", type=float, default=0.25, help="bucket_cap_mb of the sweep's DDP models")
     ap.add_argument("--timeout", type=float, default=900, help="wall-clock bound of the run, s")
@@ -384,6 +390,12 @@ def main() -> int:
     a = ap.parse_args()
     if a.worker:
         return worker()
+    try:
+        sweep_sizes = sorted({int(k) for k in a.sweep_sizes.split(",") if k.strip()})
+    except ValueError:
+        sweep_sizes = []
+    if not sweep_sizes or min(sweep_sizes) < 1:
+        ap.error(f"--sweep-sizes: comma-separated ints >= 1, got {a.sweep_sizes!r}")
 
     if os.geteuid() != 0:
         print("topology benchmark: needs root (ip netns, tc)", file=sys.stderr)
@@ -408,7 +420,7 @@ def main() -> int:
         cfg = {"sizes": sizes, "reps": reps, "warmup": a.warmup, "ddp_steps": a.ddp_steps, "layers": a.layers,
                "sweep_steps": a.sweep_groups, "sweep_layers": a.sweep_layers, "sweep_width": a.sweep_width,
                "sweep_warmup": a.sweep_warmup, "sweep_bucket_mb": a.sweep_bucket_mb,
-               "width": a.width, "batch": a.batch, "bucket_mb": a.bucket_mb, "op_timeout": a.op_timeout,
+               "sweep_sizes": sweep_sizes, "width": a.width, "batch": a.batch, "bucket_mb": a.bucket_mb, "op_timeout": a.op_timeout,
                "ips": [h.ip for h in hosts], "probe_cross": cross if a.probe_mb > 0 else None,
                "probe_intra": intra if a.probe_mb > 0 else None, "probe_bytes": int(a.probe_mb * MiB), "out": out,
                "racks_of": [h.rack for h in hosts]}

@@ -16,6 +16,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -47,6 +48,8 @@ def test_fit_per_op_recovers_alpha_beta():
     # negative intercept is pinned to 0, beta through the origin: sum(xy)/sum(xx)
     rows = [(1.0, 0.5), (2.0, 2.5)]
     assert fit_per_op(rows) == (0.0, pytest.approx((0.5 + 5.0) / 5.0))
+    # clamp_alpha=False (auto's fit): the exact line, negative intercept kept
+    assert fit_per_op(rows, clamp_alpha=False) == (pytest.approx(-1.5), pytest.approx(2.0))
     # negative slope: beta 0, alpha the mean
     assert fit_per_op([(1.0, 3.0), (2.0, 1.0)]) == (pytest.approx(2.0), 0.0)
     # one size: inseparable, all in beta (mean T/B); size 0 only: all in alpha
@@ -170,6 +173,36 @@ def test_contention_blends_toward_total_and_is_measured():
     assert t1 > total and m["predictions"][1] == pytest.approx((1 - m["contention"]) * e1 + m["contention"] * t1)
 
 
+def test_link_bound_big_operations_slower_per_byte_pick_small_groups():
+    """The emulated cluster's case (200 Mbit/s uplinks, 4 ranks on 2 cores, 2026-12-07): 24 equal
+    layers, backward 9 ms alone and 23 ms beside one-layer-per-group communication; a one-layer
+    operation 8.4 ms, the one 24-layer operation 215 ms (7% more than 24 x 8.4). The fit keeps its
+    negative alpha (-0.58 ms per operation), so fewer, bigger operations predict slower, and the
+    small sizes win (measured there: 1-3 layers per group 2-9% faster than 24). Pinned to 0, alpha
+    would make every size predict within 2% of the others under the contention measured (1: a
+    second of communication beside backward costs a second), and the tie rule took 23-24 (1.10x
+    the best fixed size)."""
+    n, lb = 24, 198144.0
+    ready, end = _backward(n, 9e-3 / n)
+    each = 23e-3
+    c1, cn = 8.4e-3, 215e-3
+    a = ag.AutoGroup(4)
+    for gsz in (1, n, 1, n):
+        if gsz == 1:
+            smp = ag.StepSample(1, [t * each / end for t in ready], None, each, [(lb, c1)] * n, 0.19,
+                                ops_after=[(lb, c1)] * (n - 3), ops_beside=[])
+        else:
+            smp = ag.StepSample(n, ready, None, end, [(n * lb, cn)], cn, ops_after=[(n * lb, cn)], ops_beside=[])
+        a.samples.append(smp)
+    m = a.measure([lb] * n, None)
+    beta = (cn - c1) / ((n - 1) * lb)
+    assert m["beta"] == pytest.approx(beta) and m["alpha"] == pytest.approx(c1 - beta * lb) and m["alpha"] < -0.5e-3
+    assert m["contention"] == 1.0
+    p = m["predictions"]
+    assert m["choice"] == 1 and p[1] < p[2] < p[4] < p[8] < p[n]
+    assert p[n] - p[1] == pytest.approx((n - 1) * -m["alpha"], rel=0.05)
+
+
 def test_choose_ties_go_to_the_larger_group():
     assert ag.choose({1: 0.0, 2: 0.0, 4: 1e-3}) == 2
     assert ag.choose({1: 1e-3, 2: 1e-3 * (1 + ag.TIE_REL / 2), 3: 2e-3}) == 2
@@ -261,6 +294,35 @@ def test_ws1_calibrate_regroup_invariant_log_checkpoint(ws1_group, caplog):
     assert st3.group_size() == g and st3.groups == fixed.groups
     for n, t in st3.residuals.items():
         assert torch.equal(t, sd["residuals"][n])
+
+
+def test_ws1_calibration_times_start_after_the_step_start_work(ws1_group, monkeypatch):
+    """The step-start work of a calibration step (reading the last step's records, a regroup)
+    blocks the autograd thread at the step's first hook call; the sample's hand times and end of
+    backward are timed from its end, so they do not charge it to the layers after the first (it
+    read tens of ms late in long runs, and auto saw a late backward where there was none). Here
+    it is made to take 1 s; TinyLM's whole backward takes milliseconds."""
+    ws1_group(False)
+    torch.manual_seed(0)
+    model = hw.TinyLM()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = hooks.register_comm_hook(ddp, layers_per_group="auto")
+    orig = type(state)._auto_step_start
+
+    def slow_start(self):
+        orig(self)
+        time.sleep(1.0)
+
+    monkeypatch.setattr(type(state), "_auto_step_start", slow_start)
+    for step in range(6):
+        hw.lm_loss(ddp, hw.lm_batch(step, 0)).backward()
+        model.zero_grad(set_to_none=True)
+    samples = state._auto.samples
+    assert len(samples) == 4
+    for smp in samples:
+        handed = [t for t in smp.layer_t if t is not None]
+        assert len(handed) == 8 and min(handed) >= 0
+        assert max(handed) < 0.5 and smp.bwd_end_s < 0.5, (smp.group_size, handed, smp.bwd_end_s)
 
 
 def _blocks():

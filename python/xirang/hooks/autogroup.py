@@ -8,7 +8,9 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    synced steps alternate one layer per group and all layers in one group (1, n, 1, ...): the
    operations have at least two sizes even when every layer has the same size, and the one-group
    steps run backward with no communication beside it (their one operation starts at its end).
-   Per step the state records, in seconds from the step's first hook call: when each layer's last
+   Per step the state records, in seconds from the step's first hook call (from the end of the
+   step-start work there: reading the last step's records, a regroup, allocating the groups'
+   buffers; it is calibration's own cost, not backward's): when each layer's last
    gradient was handed to the hook (its group can launch no earlier; the latest of these is the
    end of backward); per operation its bytes (computed from the group's element counts: what the
    ring sends per rank, as ``stats()`` counts them) and its seconds in the queue: the Python-side
@@ -17,16 +19,21 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    operation too), at least the backend's record's ``total_s`` (found by the operation's sequence
    number; the record alone misses the callbacks: on loopback it read 2-3x less).
 2. Fit. ``T = alpha + beta B`` per operation, least squares (:func:`xirang.sim.fit_per_op`; alpha
-   s per operation, beta s per byte, both >= 0) over the calibration operations that started
+   s per operation, beta s per byte >= 0) over the calibration operations that started
    after the end of backward (they ran alone: an operation beside backward may be slowed by it,
    which the contention below accounts for), or over all of them if those have fewer than two
    sizes; of each size the median (:func:`median_per_size`: every size weighs the same, and a
    few slow operations, preempted or waiting for a late peer, do not pull the fit; the waits of
-   typical operations stay in, as each operation is a point where the ranks meet).
+   typical operations stay in, as each operation is a point where the ranks meet). Alpha may
+   come out negative: on slow shaped links a big operation was measured slower per byte than
+   small ones (one group of 24 layers: 7% more seconds than 24 one-layer operations on the
+   emulated cluster), and pinning alpha to 0 made every group size look the same. The line is
+   used between the sizes measured (one layer to all of them), where it interpolates measured
+   costs; an operation's cost is floored at 0.
 3. Prediction, for every candidate ``g`` in 1..n_layers (:func:`predict_exposed`): layers are
    handed at their times in the fastest one-group step (backward alone; noise only slows steps
    down, so of each kind the fastest is taken), a group is ready at the latest of its layers',
-   its operation costs ``alpha + beta x bytes``, operations run one at a
+   its operation costs ``max(0, alpha + beta x bytes)``, operations run one at a
    time in launch order (:func:`xirang.sim.timeline.exposed_comm`, the simulator's timeline);
    exposed = end of the last operation - end of backward, never below 0. The simulator assumes
    compute and communication do not slow each other; where they share CPU cores (loopback, CPU
@@ -82,7 +89,7 @@ def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_
     ``ready_s[l]``: seconds at which layer ``l`` (forward order) can launch; ``layer_bytes[l]``:
     bytes its operation sends; ``extra``: ``(ready_s, bytes)`` of the group of parameters in no
     layer, always its own group. Groups are runs of ``g`` consecutive layers, ready at the latest
-    of their layers, costing ``alpha + beta x bytes`` (s); launched in order of readiness, run one
+    of their layers, costing ``max(0, alpha + beta x bytes)`` (s); launched in order of readiness, run one
     at a time (:func:`xirang.sim.timeline.exposed_comm`; ``slowdown`` times slower before
     ``bwd_end_s``); exposed past ``bwd_end_s``, then
     :func:`blend` ed with the total by ``contention`` (0: the plain timeline). ``with_total``:
@@ -93,9 +100,9 @@ def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_
     units = []
     n = len(ready_s)
     for start in range(0, n, g):
-        units.append((max(ready_s[start:start + g]), alpha + beta * sum(layer_bytes[start:start + g])))
+        units.append((max(ready_s[start:start + g]), max(0.0, alpha + beta * sum(layer_bytes[start:start + g]))))
     if extra is not None:
-        units.append((extra[0], alpha + beta * extra[1]))
+        units.append((extra[0], max(0.0, alpha + beta * extra[1])))
     units.sort(key=lambda u: u[0])  # launch order: readiness (stable for equal times)
     exposed, total = exposed_comm(units, bwd_end_s, slowdown)
     pred = blend(exposed, total, contention)
@@ -182,11 +189,12 @@ class AutoGroup:
         from xirang.sim.calibrate import fit_per_op  # noqa: PLC0415
 
         n = len(layer_bytes)
+        self._inputs = (list(layer_bytes), extra_bytes)  # for replaying the model offline (benchmarks)
         # The fit: operations that ran after backward (not slowed by it) when they have two sizes
         # at least; else every operation.
         after = [op for s in self.samples for op in (s.ops_after or [])]
         ops = after if len({b for b, _ in after}) >= 2 else [op for s in self.samples for op in s.ops]
-        alpha, beta = fit_per_op(median_per_size(ops))
+        alpha, beta = fit_per_op(median_per_size(ops), clamp_alpha=False)
 
         # Timing noise (preemption, the other ranks' load) only ever slows a step down: of each kind
         # of step the fastest backward is the one measured.

@@ -428,10 +428,21 @@ class BF16ErrorFeedbackState(Checkpointing):
         return self._order
 
     def _new_step(self, t0: float) -> _Step:
-        """Starts a synced step's bookkeeping at its first hook call (bucket or early mark)."""
+        """Starts a synced step's bookkeeping at its first hook call (bucket or early mark), at
+        ``t0`` (perf_counter s); while "auto" calibrates, at the end of its step-start work
+        instead (``step.t_first``: the caller's time origin from here on)."""
         self._unsettled = None  # _settle ran at this step's forward, or cannot run here (see there)
         if self._auto_busy():
             self._auto_step_start()
+            # The groups' buffers, new after a regroup, are allocated here too (first touch of
+            # fresh pages: ~30 ms for 1.6 M parameters on a 2-core VM), not at each group's first
+            # hook call. The step's time origin comes after all that work (with reading the last
+            # step's records, tens of ms), which holds up the rest of this backward: timed from
+            # before it, every later layer would look that much later than the first in the
+            # calibration samples, and auto would see a backward that is not there.
+            for g in self._groups:
+                g.ensure_buffers()
+            t0 = time.perf_counter()
         calibrating = self._auto is not None and not self._auto.decided
         step = self._step = _Step(len(self._groups), calibrating)
         step.t_first = t0
@@ -499,6 +510,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         t0 = time.perf_counter()
         if step is None:
             step = self._new_step(t0)
+            t0 = step.t_first
         if pid in step.arrived_ids:
             return
         g = s.group
@@ -536,6 +548,7 @@ class BF16ErrorFeedbackState(Checkpointing):
             step = None
         if step is None:
             step = self._new_step(t0)
+            t0 = step.t_first
         grads = bucket.gradients()
         if len(grads) != len(params):
             raise RuntimeError(f"bucket has {len(params)} parameters but {len(grads)} gradients")

@@ -103,16 +103,18 @@ def fit(rows: list, cores: Optional[int] = None):
     return float(alpha), float(beta)
 
 
-def fit_per_op(rows) -> tuple:
+def fit_per_op(rows, clamp_alpha: bool = True) -> tuple:
     """Least squares ``T = alpha + beta B`` over rows ``(B bytes, T seconds)`` of single operations
-    -> ``(alpha s per operation, beta s per byte)``, both clamped to >= 0.
+    -> ``(alpha s per operation, beta s per byte)``, both clamped to >= 0 (alpha only with
+    ``clamp_alpha``; without it a negative alpha is kept: a line that interpolates between the
+    sizes measured, where big operations cost more per byte than small ones).
 
     The cost model of one operation of a known size on a known group (the hook's per-group
     allreduce: launch, latency and codec overheads in alpha, everything proportional to the bytes
     in beta), unweighted so that the predicted sum over a step's operations is right. A negative
-    alpha is pinned to 0 and beta refitted through the origin; a negative beta to 0 and alpha is the
-    mean time. With one distinct size the two cannot be told apart: alpha = 0 and beta = mean(T /
-    B) (or, with B = 0 only, alpha = mean(T)). Raises ValueError for no rows or a non-finite or
+    alpha (with ``clamp_alpha``) is pinned to 0 and beta refitted through the origin; a negative
+    beta to 0 and alpha is the mean time. With one distinct size the two cannot be told apart:
+    alpha = 0 and beta = mean(T / B) (or, with B = 0 only, alpha = mean(T)). Raises ValueError for no rows or a non-finite or
     negative value."""
     import numpy as np
 
@@ -128,11 +130,11 @@ def fit_per_op(rows) -> tuple:
             return float(y.mean()), 0.0
         return 0.0, float((y / x).mean())
     (beta, alpha) = np.polyfit(x, y, 1)
-    if alpha < 0:
+    if alpha < 0 and clamp_alpha:
         alpha, beta = 0.0, float(np.dot(x, y) / np.dot(x, x))
     if beta < 0:
         alpha, beta = float(y.mean()), 0.0
-    return max(0.0, float(alpha)), max(0.0, float(beta))
+    return (max(0.0, float(alpha)) if clamp_alpha else float(alpha)), max(0.0, float(beta))
 
 
 def predict(alpha: float, beta: float, n: int, S: float, cores: Optional[int] = None) -> float:
