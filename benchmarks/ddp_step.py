@@ -118,6 +118,11 @@ def quartiles(xs):
 
 
 # ---------------------------------------------------------------- model
+def gpt2_vocab(width: int) -> int:
+    """The default vocabulary at width d: 50257 x d / 768 (the embedding keeps GPT-2 small's share)."""
+    return max(2, round(50257 * width / 768))
+
+
 def make_gpt2(blocks: int, width: int, heads: int, vocab: int, seq: int):
     """GPT-2's module tree (HF GPT2LMHeadModel's names) at width d = `width`; input token ids
     [B, T] (T <= seq), output logits [B, T, vocab]."""
@@ -660,7 +665,7 @@ def main(argv=None) -> int:
         if a.layers_per_group < 1:
             ap.error(f"--layers-per-group must be a positive int or auto, got {a.layers_per_group!r}")
     if a.model == "gpt2":
-        a.vocab = a.vocab or max(2, round(50257 * a.width / 768))
+        a.vocab = a.vocab or gpt2_vocab(a.width)
         if a.width % a.heads:
             ap.error(f"--width ({a.width}) must be a multiple of --heads ({a.heads})")
     wss = [int(x) for x in a.ws.split(",") if x.strip()]

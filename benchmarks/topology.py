@@ -32,7 +32,8 @@ two-level group (fp32 inside hosts, the format across them). "compute" is the sa
 DDP (no communication).
 Cross-rack MB: bytes_cross_rack of the op's xirang.stats() record, summed over ranks.
 --sweep-groups STEPS: the hook (bf16) on the topology-ring group with layers_per_group --sweep-sizes
-(default 1, 2, 4, 8, 16) and "auto" on --sweep-layers x [Linear(--sweep-width) + ReLU] blocks (one layer each), bucket_cap_mb
+(default 1, 2, 4, 8, 16) and "auto" on --sweep-layers x [Linear(--sweep-width) + ReLU] blocks (one layer each; --sweep-model gpt2:
+GPT-2's module tree, --sweep-layers blocks of width --sweep-width), bucket_cap_mb
 --sweep-bucket-mb; --sweep-warmup untimed steps per size (auto calibrates and decides there), then
 STEPS timed steps with the sizes taking turns; the table gives each size's median step (slowest
 rank), IQR and ratio to the best fixed size, auto's choice and rank 0's model (alpha, beta,
@@ -316,12 +317,25 @@ def worker() -> int:
         torch.manual_seed(0)
         width = cfg["sweep_width"]
         g = torch.Generator().manual_seed(rank)
-        data = torch.randn(cfg["batch"], width, generator=g)
+        gpt2 = cfg["sweep_model"] == "gpt2"
+        if gpt2:  # GPT-2's module tree (benchmarks/ddp_step.py's make_gpt2); token ids and next tokens
+            sys.path.insert(0, HERE)
+            from ddp_step import gpt2_vocab, make_gpt2  # noqa: PLC0415
+
+            vocab, seq = gpt2_vocab(width), 64
+            toks = torch.randint(0, vocab, (cfg["batch"], seq + 1), generator=g)
+            data, target = toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+        else:
+            data = torch.randn(cfg["batch"], width, generator=g)
         sizes = [str(k) for k in cfg["sweep_sizes"]] + ["auto"]
         models = {}
         for k in sizes:
             torch.manual_seed(0)
-            net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(cfg["sweep_layers"])])
+            if gpt2:
+                net = make_gpt2(cfg["sweep_layers"], width, 4, vocab, seq)
+            else:
+                net = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU())
+                                      for _ in range(cfg["sweep_layers"])])
             d = DDP(net, process_group=groups["topo-ring"], bucket_cap_mb=cfg["sweep_bucket_mb"])
             st = xirang.register_comm_hook(d, layers_per_group="auto" if k == "auto" else int(k))
             models[k] = (d, torch.optim.SGD(d.parameters(), lr=1e-3), st)
@@ -329,7 +343,10 @@ def worker() -> int:
         def sweep_step(k):
             net, opt, _ = models[k]
             opt.zero_grad(set_to_none=True)
-            net(data).pow(2).mean().backward()
+            out = net(data)
+            loss = (nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1)) if gpt2
+                    else out.pow(2).mean())
+            loss.backward()
             opt.step()
 
         # auto's calibration happens in the warm-up (DDP's first step + 4)
@@ -374,10 +391,15 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=float, default=25)
     ap.add_argument("--probe-mb", type=float, default=16, help="raw TCP probe size (0: none)")
     ap.add_argument("--sweep-groups", type=int, default=0, metavar="STEPS",
-                    help="timed steps of the hook with layers_per_group auto against 1, 2, 4, 8, 16 on the "
-                         "topology ring (0: none), on --sweep-layers x Linear(--sweep-width) blocks")
+                    help="timed steps of the hook with layers_per_group auto against --sweep-sizes on the "
+                         "topology ring (0: none), on the --sweep-model")
     ap.add_argument("--sweep-layers", type=int, default=24)
     ap.add_argument("--sweep-width", type=int, default=256)
+    ap.add_argument("--sweep-model", choices=("stack", "gpt2"), default="stack",
+                    help="stack: --sweep-layers x [Linear(--sweep-width) + ReLU]; gpt2: GPT-2's module tree "
+                         "(benchmarks/ddp_step.py --model gpt2) with --sweep-layers blocks at width --sweep-width "
+                         "(a multiple of 4), 4 heads, 64 tokens, vocabulary 50257 x width / 768; on a 2-core "
+                         "machine use --sweep-layers 12 --sweep-width 128 --batch 8 (3.5 M parameters)")
     ap.add_argument("--sweep-sizes", default=SWEEP, help="fixed layers_per_group sizes auto is compared with "
                     "(comma-separated ints >= 1)")
     ap.add_argument("--sweep-warmup", type=int, default=8, help="untimed steps per size first (>= 6: auto's calibration)")
@@ -396,6 +418,8 @@ def main() -> int:
         sweep_sizes = []
     if not sweep_sizes or min(sweep_sizes) < 1:
         ap.error(f"--sweep-sizes: comma-separated ints >= 1, got {a.sweep_sizes!r}")
+    if a.sweep_model == "gpt2" and (a.sweep_width < 4 or a.sweep_width % 4):
+        ap.error(f"--sweep-model gpt2: --sweep-width must be a positive multiple of 4 (4 heads), got {a.sweep_width}")
 
     if os.geteuid() != 0:
         print("topology benchmark: needs root (ip netns, tc)", file=sys.stderr)
@@ -420,7 +444,7 @@ def main() -> int:
         cfg = {"sizes": sizes, "reps": reps, "warmup": a.warmup, "ddp_steps": a.ddp_steps, "layers": a.layers,
                "sweep_steps": a.sweep_groups, "sweep_layers": a.sweep_layers, "sweep_width": a.sweep_width,
                "sweep_warmup": a.sweep_warmup, "sweep_bucket_mb": a.sweep_bucket_mb,
-               "sweep_sizes": sweep_sizes, "width": a.width, "batch": a.batch, "bucket_mb": a.bucket_mb, "op_timeout": a.op_timeout,
+               "sweep_sizes": sweep_sizes, "sweep_model": a.sweep_model, "width": a.width, "batch": a.batch, "bucket_mb": a.bucket_mb, "op_timeout": a.op_timeout,
                "ips": [h.ip for h in hosts], "probe_cross": cross if a.probe_mb > 0 else None,
                "probe_intra": intra if a.probe_mb > 0 else None, "probe_bytes": int(a.probe_mb * MiB), "out": out,
                "racks_of": [h.rack for h in hosts]}
@@ -511,8 +535,10 @@ def report(res, a, setup, ws, hosts, elapsed, load0, load1) -> None:
                for k, v in r["times"].items()}
         fixed = [k for k in med if k != "auto"]
         best = min(fixed, key=lambda k: med[k])
-        lines.append(f"# layers_per_group sweep: the hook (bf16) on the topology ring, {a.sweep_layers} x "
-                     f"[Linear({a.sweep_width},{a.sweep_width}) + ReLU] ({r['params'] / 1e6:.2f} M params), batch "
+        shape = (f"GPT-2-shaped, {a.sweep_layers} blocks of width {a.sweep_width}" if a.sweep_model == "gpt2"
+                 else f"{a.sweep_layers} x [Linear({a.sweep_width},{a.sweep_width}) + ReLU]")
+        lines.append(f"# layers_per_group sweep: the hook (bf16) on the topology ring, {shape} "
+                     f"({r['params'] / 1e6:.2f} M params), batch "
                      f"{a.batch}, bucket {a.sweep_bucket_mb} MB, {a.sweep_warmup} warmup + {a.sweep_groups} timed "
                      "steps per size, sizes taking turns")
         lines.append(row(["layers/group", "step ms", "iqr ms", "vs best fixed"], [14, 9, 9, 14]))

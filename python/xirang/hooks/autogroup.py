@@ -28,12 +28,12 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    come out negative: on slow shaped links a big operation was measured slower per byte than
    small ones (one group of 24 layers: 7% more seconds than 24 one-layer operations on the
    emulated cluster), and pinning alpha to 0 made every group size look the same. The line is
-   used between the sizes measured (one layer to all of them), where it interpolates measured
-   costs; an operation's cost is floored at 0.
+   used between the sizes measured (one layer to all of them); no operation is predicted cheaper
+   than the cheapest one measured (the median of its size).
 3. Prediction, for every candidate ``g`` in 1..n_layers (:func:`predict_exposed`): layers are
    handed at their times in the fastest one-group step (backward alone; noise only slows steps
    down, so of each kind the fastest is taken), a group is ready at the latest of its layers',
-   its operation costs ``max(0, alpha + beta x bytes)``, operations run one at a
+   its operation costs ``alpha + beta x bytes``, at least the cheapest measured; operations run one at a
    time in launch order (:func:`xirang.sim.timeline.exposed_comm`, the simulator's timeline);
    exposed = end of the last operation - end of backward, never below 0. The simulator assumes
    compute and communication do not slow each other; where they share CPU cores (loopback, CPU
@@ -83,13 +83,13 @@ def blend(exposed_s: float, total_s: float, contention: float) -> float:
 def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_end_s: float,
                     alpha: float, beta: float, g: int,
                     extra: Optional[Tuple[float, float]] = None, contention: float = 0.0,
-                    with_total: bool = False, slowdown: float = 1.0):
+                    with_total: bool = False, slowdown: float = 1.0, floor_s: float = 0.0):
     """Predicted exposed communication (s) of one step at ``g`` layers per group.
 
     ``ready_s[l]``: seconds at which layer ``l`` (forward order) can launch; ``layer_bytes[l]``:
     bytes its operation sends; ``extra``: ``(ready_s, bytes)`` of the group of parameters in no
     layer, always its own group. Groups are runs of ``g`` consecutive layers, ready at the latest
-    of their layers, costing ``max(0, alpha + beta x bytes)`` (s); launched in order of readiness, run one
+    of their layers, costing ``max(floor_s, alpha + beta x bytes)`` (s; ``floor_s`` >= 0); launched in order of readiness, run one
     at a time (:func:`xirang.sim.timeline.exposed_comm`; ``slowdown`` times slower before
     ``bwd_end_s``); exposed past ``bwd_end_s``, then
     :func:`blend` ed with the total by ``contention`` (0: the plain timeline). ``with_total``:
@@ -100,9 +100,9 @@ def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_
     units = []
     n = len(ready_s)
     for start in range(0, n, g):
-        units.append((max(ready_s[start:start + g]), max(0.0, alpha + beta * sum(layer_bytes[start:start + g]))))
+        units.append((max(ready_s[start:start + g]), max(floor_s, alpha + beta * sum(layer_bytes[start:start + g]))))
     if extra is not None:
-        units.append((extra[0], max(0.0, alpha + beta * extra[1])))
+        units.append((extra[0], max(floor_s, alpha + beta * extra[1])))
     units.sort(key=lambda u: u[0])  # launch order: readiness (stable for equal times)
     exposed, total = exposed_comm(units, bwd_end_s, slowdown)
     pred = blend(exposed, total, contention)
@@ -194,7 +194,11 @@ class AutoGroup:
         # at least; else every operation.
         after = [op for s in self.samples for op in (s.ops_after or [])]
         ops = after if len({b for b, _ in after}) >= 2 else [op for s in self.samples for op in s.ops]
-        alpha, beta = fit_per_op(median_per_size(ops), clamp_alpha=False)
+        medians = median_per_size(ops)
+        alpha, beta = fit_per_op(medians, clamp_alpha=False)
+        # with a negative alpha the line reaches 0 at some size: no operation is predicted cheaper
+        # than the cheapest one measured
+        floor = min(t for _, t in medians)
 
         # Timing noise (preemption, the other ranks' load) only ever slows a step down: of each kind
         # of step the fastest backward is the one measured.
@@ -209,15 +213,16 @@ class AutoGroup:
             extra = (bwd_end if alone.extra_t is None else alone.extra_t, extra_bytes)
         # slowdown: how much longer an operation took beside backward than the fit says it takes
         # alone (the median over the operations that ran beside backward all along; >= 1)
-        ratios = [t / (alpha + beta * b) for smp in self.samples for b, t in (smp.ops_beside or [])
-                  if alpha + beta * b > 0]
+        ratios = [t / max(floor, alpha + beta * b) for smp in self.samples for b, t in (smp.ops_beside or [])
+                  if max(floor, alpha + beta * b) > 0]
         slow = max(1.0, statistics.median(ratios)) if ratios else 1.0
         # contention: how much longer backward ran beside one-layer-per-group communication
         _, exp1, tot1 = predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, 1, extra, with_total=True,
-                                        slowdown=slow)
+                                        slowdown=slow, floor_s=floor)
         grew = each - bwd_end
         k = min(1.0, max(0.0, grew / (tot1 - exp1))) if tot1 - exp1 > 0 else 0.0
-        preds = {g: predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, g, extra, k, slowdown=slow)
+        preds = {g: predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, g, extra, k, slowdown=slow,
+                                    floor_s=floor)
                  for g in range(1, max(1, n) + 1)}
         return {"alpha": alpha, "beta": beta, "contention": k, "slowdown": slow, "predictions": preds,
                 "choice": choose(preds), "ready_s": ready, "bwd_end_s": bwd_end}

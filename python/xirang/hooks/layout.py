@@ -72,6 +72,15 @@ class Group:
             )
         return next(iter(devs)) if devs else torch.device("cpu")
 
+    def release(self) -> None:
+        """Drop the buffers and residual (a group replaced by a regroup: its slots and it refer to
+        each other, so without this they would wait for Python's cycle collector, a set of
+        buffers per calibration regroup)."""
+        self.ef_buf = self.residual = self.staged = None
+        self.plain_bufs = {}
+        for s in self.slots:
+            s.view = None
+
     def ensure_buffers(self) -> None:
         """Allocate the packed buffers (fp32 ``[ef_numel]`` input/output, residual and staging;
         one ``[n]`` buffer per plain dtype) on :attr:`device` if not yet there; a restored

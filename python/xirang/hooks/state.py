@@ -365,6 +365,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         the per-group stats restart with the new groups."""
         res = {k: v.detach().clone() for k, v in self.residuals.items()}
         ready = {key: s.group.grad_ready_t for key, s in self._slots.items()}
+        old = self._groups
         if self._auto is not None and not self._auto.decided:
             self._auto_lpg = layers_per_group
         self._build_groups(self._root, self._ddp, warn=False)
@@ -374,6 +375,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             if t is not None and (s.group.grad_ready_t is None or t > s.group.grad_ready_t):
                 s.group.grad_ready_t = t
         self._put_residuals(res)
+        for g in old:
+            g.release()
 
     def _resolve_backend(self) -> None:
         pg = self.process_group
@@ -434,14 +437,18 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._unsettled = None  # _settle ran at this step's forward, or cannot run here (see there)
         if self._auto_busy():
             self._auto_step_start()
-            # The groups' buffers, new after a regroup, are allocated here too (first touch of
-            # fresh pages: ~30 ms for 1.6 M parameters on a 2-core VM), not at each group's first
-            # hook call. The step's time origin comes after all that work (with reading the last
+            # The groups' buffers, new after a regroup, are allocated and written here too (first
+            # touch of fresh pages: ~15 ms per 6 MB on a 2-core VM), not at each group's first
+            # hook call or in its operation's packing, where the one big operation of an
+            # all-layers step paid them and the reused buffers of later steps do not. The step's time origin comes after all that work (with reading the last
             # step's records, tens of ms), which holds up the rest of this backward: timed from
             # before it, every later layer would look that much later than the first in the
             # calibration samples, and auto would see a backward that is not there.
             for g in self._groups:
                 g.ensure_buffers()
+                for buf in (g.ef_buf, *g.plain_bufs.values()):
+                    if buf is not None:
+                        buf.zero_()  # first touch here, not in the operation's packing (counted as its cost)
             t0 = time.perf_counter()
         calibrating = self._auto is not None and not self._auto.decided
         step = self._step = _Step(len(self._groups), calibrating)
