@@ -458,8 +458,8 @@ def worker(rank: int, ws: int, port: int, cfg: dict, q) -> None:
                     row["autogroup"] = c.hook_state.stats()["autogroup"]
                     auto = getattr(c.hook_state, "_auto", None)  # auto's calibration, to replay its model offline
                     if auto is not None:
-                        row["auto_inputs"] = getattr(auto, "_inputs", None)
-                        row["auto_samples"] = [{k: getattr(smp, k) for k in smp.__slots__} for smp in auto.samples]
+                        cal = auto.calibration_record()
+                        row["auto_inputs"], row["auto_samples"] = cal["inputs"], cal["samples"]
                     row["layers_per_group"] = c.hook_state.group_size()
                     tot = c.hook_state.stats()["totals"]
                     row["hook"] = {k: tot.get(k) for k in ("groups", "launches_per_step", "bytes_wire_per_step",

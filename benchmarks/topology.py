@@ -32,8 +32,9 @@ two-level group (fp32 inside hosts, the format across them). "compute" is the sa
 DDP (no communication).
 Cross-rack MB: bytes_cross_rack of the op's xirang.stats() record, summed over ranks.
 --sweep-groups STEPS: the hook (bf16) on the topology-ring group with layers_per_group --sweep-sizes
-(default 1, 2, 4, 8, 16) and "auto" on --sweep-layers x [Linear(--sweep-width) + ReLU] blocks (one layer each; --sweep-model gpt2:
-GPT-2's module tree, --sweep-layers blocks of width --sweep-width), bucket_cap_mb
+(default 1, 2, 4, 8, 16) and "auto" on --sweep-layers x [Linear(--sweep-width) + ReLU] blocks (one
+layer each; --sweep-model gpt2: GPT-2's module tree, --sweep-layers blocks of width --sweep-width),
+bucket_cap_mb
 --sweep-bucket-mb; --sweep-warmup untimed steps per size (auto calibrates and decides there), then
 STEPS timed steps with the sizes taking turns; the table gives each size's median step (slowest
 rank), IQR and ratio to the best fixed size, auto's choice and rank 0's model (alpha, beta,
@@ -353,15 +354,15 @@ def worker() -> int:
         times = rotate_timed(sizes, sweep_step, cfg["sweep_warmup"], cfg["sweep_steps"])
         st = models["auto"][2]
         a = st.stats()["autogroup"] or {}
+        cal = st._auto.calibration_record()
         rows.append({"kind": "sweep", "times": times, "chosen": st.group_size(),
                      "predicted_exposed_s": a.get("predicted_exposed_comm_s"),
                      "measured_exposed_s": a.get("measured_exposed_comm_s"),
                      "autogroup": {k: a.get(k) for k in ("alpha_s", "beta_s_per_byte", "contention", "slowdown",
                                                          "predictions_s", "source")},
                      "params": sum(p.numel() for p in models["auto"][0].parameters()),
-                     # auto's calibration (internal attributes), to replay its model offline
-                     "auto_inputs": getattr(st._auto, "_inputs", None),
-                     "auto_samples": [{k: getattr(smp, k) for k in smp.__slots__} for smp in st._auto.samples]})
+                     # auto's calibration, to replay its model offline
+                     "auto_inputs": cal["inputs"], "auto_samples": cal["samples"]})
         if rank == 0:
             print("sweep: " + "  ".join(f"{k} {statistics.median(times[k]) * 1e3:.0f} ms" for k in sizes)
                   + f"; auto chose {st.group_size()}", file=sys.stderr, flush=True)
@@ -444,7 +445,8 @@ def main() -> int:
         cfg = {"sizes": sizes, "reps": reps, "warmup": a.warmup, "ddp_steps": a.ddp_steps, "layers": a.layers,
                "sweep_steps": a.sweep_groups, "sweep_layers": a.sweep_layers, "sweep_width": a.sweep_width,
                "sweep_warmup": a.sweep_warmup, "sweep_bucket_mb": a.sweep_bucket_mb,
-               "sweep_sizes": sweep_sizes, "sweep_model": a.sweep_model, "width": a.width, "batch": a.batch, "bucket_mb": a.bucket_mb, "op_timeout": a.op_timeout,
+               "sweep_sizes": sweep_sizes, "sweep_model": a.sweep_model,
+               "width": a.width, "batch": a.batch, "bucket_mb": a.bucket_mb, "op_timeout": a.op_timeout,
                "ips": [h.ip for h in hosts], "probe_cross": cross if a.probe_mb > 0 else None,
                "probe_intra": intra if a.probe_mb > 0 else None, "probe_bytes": int(a.probe_mb * MiB), "out": out,
                "racks_of": [h.rack for h in hosts]}

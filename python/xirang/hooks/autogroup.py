@@ -25,16 +25,16 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    sizes; of each size the median (:func:`median_per_size`: every size weighs the same, and a
    few slow operations, preempted or waiting for a late peer, do not pull the fit; the waits of
    typical operations stay in, as each operation is a point where the ranks meet). Alpha may
-   come out negative: on slow shaped links a big operation was measured slower per byte than
-   small ones (one group of 24 layers: 7% more seconds than 24 one-layer operations on the
-   emulated cluster), and pinning alpha to 0 made every group size look the same. The line is
-   used between the sizes measured (one layer to all of them); no operation is predicted cheaper
-   than the cheapest one measured (the median of its size).
+   come out negative where big operations are slower per byte than small ones (the GPT-2-shaped
+   model on the emulated cluster without cross-rack delay fitted -10 ms per operation); pinned
+   to 0 it would make every group size look the same there. The line is used between the sizes
+   measured (one layer to all of them); no operation is predicted cheaper than the cheapest one
+   measured (the median of its size).
 3. Prediction, for every candidate ``g`` in 1..n_layers (:func:`predict_exposed`): layers are
    handed at their times in the fastest one-group step (backward alone; noise only slows steps
    down, so of each kind the fastest is taken), a group is ready at the latest of its layers',
-   its operation costs ``alpha + beta x bytes``, at least the cheapest measured; operations run one at a
-   time in launch order (:func:`xirang.sim.timeline.exposed_comm`, the simulator's timeline);
+   its operation costs ``alpha + beta x bytes``, at least the cheapest measured; operations run
+   one at a time in launch order (:func:`xirang.sim.timeline.exposed_comm`, the simulator's timeline);
    exposed = end of the last operation - end of backward, never below 0. The simulator assumes
    compute and communication do not slow each other; where they share CPU cores (loopback, CPU
    tensors: the ring's copies and reductions run on the cores backward uses) they do, both ways,
@@ -80,6 +80,11 @@ def blend(exposed_s: float, total_s: float, contention: float) -> float:
     return (1.0 - contention) * exposed_s + contention * total_s
 
 
+def op_cost(alpha: float, beta: float, nbytes: float, floor_s: float = 0.0) -> float:
+    """One operation's predicted seconds: ``alpha + beta x nbytes``, at least ``floor_s`` (>= 0)."""
+    return max(floor_s, alpha + beta * nbytes)
+
+
 def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_end_s: float,
                     alpha: float, beta: float, g: int,
                     extra: Optional[Tuple[float, float]] = None, contention: float = 0.0,
@@ -89,8 +94,7 @@ def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_
     ``ready_s[l]``: seconds at which layer ``l`` (forward order) can launch; ``layer_bytes[l]``:
     bytes its operation sends; ``extra``: ``(ready_s, bytes)`` of the group of parameters in no
     layer, always its own group. Groups are runs of ``g`` consecutive layers, ready at the latest
-    of their layers, costing ``max(floor_s, alpha + beta x bytes)`` (s; ``floor_s`` >= 0); launched in order of readiness, run one
-    at a time (:func:`xirang.sim.timeline.exposed_comm`; ``slowdown`` times slower before
+    of their layers, costing :func:`op_cost` (s); launched in order of readiness, run one at a time (:func:`xirang.sim.timeline.exposed_comm`; ``slowdown`` times slower before
     ``bwd_end_s``); exposed past ``bwd_end_s``, then
     :func:`blend` ed with the total by ``contention`` (0: the plain timeline). ``with_total``:
     return ``(prediction, exposed, total)``.
@@ -100,9 +104,10 @@ def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_
     units = []
     n = len(ready_s)
     for start in range(0, n, g):
-        units.append((max(ready_s[start:start + g]), max(floor_s, alpha + beta * sum(layer_bytes[start:start + g]))))
+        units.append((max(ready_s[start:start + g]),
+                      op_cost(alpha, beta, sum(layer_bytes[start:start + g]), floor_s)))
     if extra is not None:
-        units.append((extra[0], max(floor_s, alpha + beta * extra[1])))
+        units.append((extra[0], op_cost(alpha, beta, extra[1], floor_s)))
     units.sort(key=lambda u: u[0])  # launch order: readiness (stable for equal times)
     exposed, total = exposed_comm(units, bwd_end_s, slowdown)
     pred = blend(exposed, total, contention)
@@ -189,7 +194,7 @@ class AutoGroup:
         from xirang.sim.calibrate import fit_per_op  # noqa: PLC0415
 
         n = len(layer_bytes)
-        self._inputs = (list(layer_bytes), extra_bytes)  # for replaying the model offline (benchmarks)
+        self._inputs = (list(layer_bytes), extra_bytes)  # for calibration_record()
         # The fit: operations that ran after backward (not slowed by it) when they have two sizes
         # at least; else every operation.
         after = [op for s in self.samples for op in (s.ops_after or [])]
@@ -213,8 +218,8 @@ class AutoGroup:
             extra = (bwd_end if alone.extra_t is None else alone.extra_t, extra_bytes)
         # slowdown: how much longer an operation took beside backward than the fit says it takes
         # alone (the median over the operations that ran beside backward all along; >= 1)
-        ratios = [t / max(floor, alpha + beta * b) for smp in self.samples for b, t in (smp.ops_beside or [])
-                  if max(floor, alpha + beta * b) > 0]
+        ratios = [t / op_cost(alpha, beta, b, floor) for smp in self.samples for b, t in (smp.ops_beside or [])
+                  if op_cost(alpha, beta, b, floor) > 0]
         slow = max(1.0, statistics.median(ratios)) if ratios else 1.0
         # contention: how much longer backward ran beside one-layer-per-group communication
         _, exp1, tot1 = predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, 1, extra, with_total=True,
@@ -226,6 +231,13 @@ class AutoGroup:
                  for g in range(1, max(1, n) + 1)}
         return {"alpha": alpha, "beta": beta, "contention": k, "slowdown": slow, "predictions": preds,
                 "choice": choose(preds), "ready_s": ready, "bwd_end_s": bwd_end}
+
+    def calibration_record(self) -> Dict[str, Any]:
+        """The calibration as measured, to replay the model offline (benchmarks' JSON):
+        ``{"inputs": (layer bytes, extra bytes) or None before the choice, "samples": [{field:
+        value} of each :class:`StepSample`]}`` (seconds, bytes)."""
+        return {"inputs": getattr(self, "_inputs", None),
+                "samples": [{k: getattr(smp, k) for k in smp.__slots__} for smp in self.samples]}
 
     def record_after(self, exposed_s: float) -> None:
         self.sum_exposed_after_s += exposed_s
