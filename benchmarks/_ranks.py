@@ -14,6 +14,15 @@ import socket
 import time
 
 
+def auto_warmup() -> int:
+    """Untimed synced steps a ``layers_per_group="auto"`` hook needs before its choice is in use:
+    DDP's first (not measured), the calibration's (``CALIBRATION_STEPS``), and the one whose first
+    hook call applies the choice."""
+    from xirang.hooks.autogroup import CALIBRATION_STEPS  # noqa: PLC0415  (xirang: the benchmarks' venv)
+
+    return CALIBRATION_STEPS + 2
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

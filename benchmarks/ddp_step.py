@@ -34,7 +34,7 @@ per configuration, each from the same seed (identical initial weights, identical
 reference) and prints, after the usual table, one more: step ms, exposed comm ms, the ratio of
 each step time to the best fixed size's, and auto's choice with its predicted and measured exposed
 communication (the hook's stats()["autogroup"], rank 0). Warmup must cover auto's calibration
-(DDP's first step + 4 measured; the choice is applied at the 6th synced step): >= 6, the default
+(DDP's first step + 6 measured; the choice is applied at the 8th synced step): >= 8, the default
 when an auto config runs. --json keeps the auto config's calibration samples and inputs
 (``auto_samples``, ``auto_inputs``, rank 0's) to replay its model offline.
 
@@ -87,7 +87,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import machine_info, run_ranks  # noqa: E402
+from _ranks import auto_warmup, machine_info, run_ranks  # noqa: E402
 
 ALL_CONFIGS = ["gloo", "xirang", "xirang_hook", "xirang_hook_late", "xirang_hook_bc", "gloo_fp16", "gloo_bf16",
                "gloo_powersgd", "xirang_fp16", "xirang_hook_fp16", "xirang_hook_int8"]
@@ -606,7 +606,8 @@ def sweep_table(rows: list) -> str:
                 preds = a.get("predictions_s") or {}
                 out.append(f"auto (rank 0): chose {a.get('layers_per_group')}; alpha {1e6 * (a.get('alpha_s') or 0):.1f} us"
                            f"/op, beta {a.get('beta_s_per_byte') or 0:.3g} s/B ({a.get('source')}), contention "
-                           f"{a.get('contention') or 0:.2f}, slowdown {a.get('slowdown') or 1:.2f}; predicted exposed "
+                           f"{a.get('contention') or 0:.2f} (by calibrated size {a.get('contention_by_size')}), tail "
+                           f"{1e6 * (a.get('tail_s') or 0):.0f} us + {a.get('tail_s_per_byte') or 0:.3g} s/B, slowdown {a.get('slowdown') or 1:.2f}; predicted exposed "
                            f"{1e3 * pred if pred is not None else float('nan'):.3f} ms, hook-measured "
                            f"{1e3 * meas if meas is not None else float('nan'):.3f} ms")
                 out.append("  predicted exposed ms by layers/group: "
@@ -673,12 +674,14 @@ def main(argv=None) -> int:
         ap.error("--ws: world sizes must be >= 2")
     uses_auto = "xirang_hook_auto" in configs or (
         a.layers_per_group == "auto" and any(c in ("xirang_hook", "xirang_hook_bc") for c in configs))
+    need = auto_warmup() if uses_auto else 0
     if a.warmup is None:
-        a.warmup = 6 if uses_auto else 5
+        a.warmup = need or 5
     if a.warmup < 3:
         ap.error("--warmup must be >= 3 (DDP rebuilds buckets after the first step; PowerSGD starts at 2)")
-    if uses_auto and a.warmup < 6:
-        ap.error("--warmup must be >= 6 with layers_per_group auto (its calibration: DDP's first step + 4)")
+    if a.warmup < need:
+        ap.error(f"--warmup must be >= {need} with layers_per_group auto (its calibration: DDP's first "
+                 f"step + {need - 2} measured, the choice applied at the next)")
     cfg = {"configs": configs, "steps": a.steps, "rounds": a.rounds, "warmup": a.warmup, "blocks": a.blocks,
            "width": a.width, "batch": a.batch, "layers_per_group": a.layers_per_group,
            "model": a.model, "heads": a.heads, "vocab": a.vocab, "seq": a.seq,

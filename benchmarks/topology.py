@@ -54,6 +54,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "cluster"))
+sys.path.insert(0, HERE)
+from _ranks import auto_warmup  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 METHODS = ("rank-ring", "topo-ring", "two-level", "gloo")
@@ -358,7 +360,9 @@ def worker() -> int:
         rows.append({"kind": "sweep", "times": times, "chosen": st.group_size(),
                      "predicted_exposed_s": a.get("predicted_exposed_comm_s"),
                      "measured_exposed_s": a.get("measured_exposed_comm_s"),
-                     "autogroup": {k: a.get(k) for k in ("alpha_s", "beta_s_per_byte", "contention", "slowdown",
+                     "autogroup": {k: a.get(k) for k in ("alpha_s", "beta_s_per_byte", "contention",
+                                                         "contention_by_size", "slowdown", "tail_s",
+                                                         "tail_s_per_byte",
                                                          "predictions_s", "source")},
                      "params": sum(p.numel() for p in models["auto"][0].parameters()),
                      # auto's calibration, to replay its model offline
@@ -403,7 +407,8 @@ def main() -> int:
                          "machine use --sweep-layers 12 --sweep-width 128 --batch 8 (3.5 M parameters)")
     ap.add_argument("--sweep-sizes", default=SWEEP, help="fixed layers_per_group sizes auto is compared with "
                     "(comma-separated ints >= 1)")
-    ap.add_argument("--sweep-warmup", type=int, default=8, help="untimed steps per size first (>= 6: auto's calibration)")
+    ap.add_argument("--sweep-warmup", type=int, default=None,
+                    help="untimed steps per size first (default and least: auto's calibration, 8 with its defaults)")
     ap.add_argument("--sweep-bucket-mb", type=float, default=0.25, help="bucket_cap_mb of the sweep's DDP models")
     ap.add_argument("--timeout", type=float, default=900, help="wall-clock bound of the run, s")
     ap.add_argument("--op-timeout", type=float, default=300)
@@ -419,6 +424,11 @@ def main() -> int:
         sweep_sizes = []
     if not sweep_sizes or min(sweep_sizes) < 1:
         ap.error(f"--sweep-sizes: comma-separated ints >= 1, got {a.sweep_sizes!r}")
+    if a.sweep_warmup is None:
+        a.sweep_warmup = auto_warmup()
+    if a.sweep_warmup < auto_warmup():
+        ap.error(f"--sweep-warmup must be >= {auto_warmup()} (auto's calibration: DDP's first step + "
+                 f"{auto_warmup() - 2} measured, the choice applied at the next)")
     if a.sweep_model == "gpt2" and (a.sweep_width < 4 or a.sweep_width % 4):
         ap.error(f"--sweep-model gpt2: --sweep-width must be a positive multiple of 4 (4 heads), got {a.sweep_width}")
 
@@ -559,7 +569,9 @@ def report(res, a, setup, ws, hosts, elapsed, load0, load1) -> None:
             beta = ag.get("beta_s_per_byte")
             pred = ", ".join(f"{k}: {v * 1e3:.0f}" for k, v in sorted(ag["predictions_s"].items(), key=lambda kv: int(kv[0])))
             lines.append(f"# auto's model (rank 0): alpha {1e6 * (ag.get('alpha_s') or 0):.0f} us/op, "
-                         f"{(1e-6 / beta) if beta else float('nan'):.1f} MB/s, contention {ag.get('contention')}, "
+                         f"{(1e-6 / beta) if beta else float('nan'):.1f} MB/s, contention {ag.get('contention')} "
+                         f"(by calibrated size {ag.get('contention_by_size')}), tail {1e6 * (ag.get('tail_s') or 0):.0f} us + "
+                         f"{ag.get('tail_s_per_byte') or 0:.3g} s/B, "
                          f"slowdown {ag.get('slowdown')}; predicted exposed ms by size: {pred}")
     reps = {r["size"]: r["reps"] for r in res["rows"] if r["kind"] == "allreduce"}
     lines.append("# median of repetitions (" + ", ".join(f"{fmt_size(s)}: {n}" for s, n in reps.items())

@@ -63,6 +63,7 @@ for pkg in transformers prometheus_client; do
     "$PY" -c "import $pkg" 2>/dev/null || "$PY" -m pip install --quiet -c "$XIRANG_CONSTRAINT" "$pkg" >&2 \
         || echo "tests: could not install $pkg (its tests skip, saying so)" >&2
 done
-"$PY" -m pytest tests/python -q -p no:cacheprovider "$@"
+# --durations: the slowest tests in every log, to keep the run inside its time budget.
+"$PY" -m pytest tests/python -q -p no:cacheprovider --durations=25 "$@"
 
 echo "tests: all passed in $(( $(date +%s) - start )) s" >&2

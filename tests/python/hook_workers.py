@@ -612,6 +612,7 @@ def sc_auto(rank, ws, hooks, out, cfg):
     rec["names"] = [n for n, _ in model.named_parameters()]
     rec["stats"] = state.stats()
     rec["state_dict"] = state.state_dict()
+    rec["tails"] = [smp.tail for smp in state._auto.samples]  # the calibration's (bytes, s) after the last op
     torch.save(rec, os.path.join(out, f"rank{rank}.pt"))
 
 

@@ -99,6 +99,12 @@ def test_predict_exposed_by_hand():
     # the group of parameters in no layer (ready at 0.5 ms, 500 B: 1 ms) queues first
     assert ag.predict_exposed(ready, [1000] * 4, end, alpha, beta, 4, extra=(0.5e-3, 500)) == pytest.approx(4.5e-3)
     assert ag.predict_exposed(ready, [1000] * 4, end, alpha, beta, 4, extra=(4e-3, 500)) == pytest.approx(5.5e-3)
+    # the tail after the last operation (0.1 ms + 100 ns/B of the group launched last): g=4, its
+    # 4000 B: + 0.5 ms; g=1, layer 0's 1000 B: + 0.2 ms; not part of exposed or total
+    tail = (1e-4, 1e-7)
+    assert ag.predict_exposed(ready, [1000] * 4, end, alpha, beta, 4, tail=tail) == pytest.approx(5e-3)
+    assert ag.predict_exposed(ready, [1000] * 4, end, alpha, beta, 1, tail=tail, with_total=True) == (
+        pytest.approx(3.2e-3), pytest.approx(3e-3), pytest.approx(6e-3))
 
 
 def test_choose_launch_bound_picks_large_groups():
@@ -154,7 +160,7 @@ def test_contention_blends_toward_total_and_is_measured():
     assert m["ready_s"] == pytest.approx(ready) and m["bwd_end_s"] == pytest.approx(end)
     assert m["contention"] == pytest.approx(k_true)
     assert m["predictions"][1] == pytest.approx((1 - k_true) * exposed + k_true * total)
-    assert a.group_size_for_next(n) == 1 and ag.calibration_group_size(1, n) == n
+    assert a.group_size_for_next(n) == n and ag.calibration_group_size(1, n) == n  # 1, 8, 3, 1, [8]
     # operations that ran after backward (alone) are fitted when they have two sizes: the slower
     # ones beside backward (here 3x) are then left out
     for smp in a.samples:
@@ -209,6 +215,90 @@ def test_link_bound_big_operations_slower_per_byte_pick_small_groups():
     assert p[n] - p[1] == pytest.approx((n - 1) * -m["alpha"], rel=0.05)
 
 
+def test_calibration_sizes_and_contention_by_size():
+    # 1, n, round(sqrt(n)) in turn; no middle size below n = 3
+    assert [ag.calibration_group_size(i, 24) for i in range(7)] == [1, 24, 5, 1, 24, 5, 1]
+    assert [ag.calibration_group_size(i, 8) for i in range(3)] == [1, 8, 3]
+    assert [ag.calibration_group_size(i, 3) for i in range(3)] == [1, 3, 2]
+    assert [ag.calibration_group_size(i, 2) for i in range(3)] == [1, 2, 1]
+    assert ag.middle_group_size(2) is None and ag.middle_group_size(15) == 4
+    # k between calibrated sizes: linear in log g; the end values beyond them
+    ks = {1: 1.0, 4: 0.2}
+    assert ag.contention_at(1, ks) == 1.0 and ag.contention_at(4, ks) == 0.2 and ag.contention_at(24, ks) == 0.2
+    assert ag.contention_at(2, ks) == pytest.approx(0.6)  # halfway from 1 to 4 in log g
+    assert ag.contention_at(3, {1: 0.5}) == 0.5 and ag.contention_at(3, {}) == 0.0
+
+
+def test_per_launch_cost_at_one_layer_does_not_stand_for_every_size():
+    """The emulated cluster's case (4 ranks on 2 cores, 1 ms across racks; numbers of a run there):
+    24 equal layers, backward 10 ms alone; operations cost 0.9 ms + 49 ns/B (a layer's 8.3 ms).
+    Beside 24 one-layer operations backward grew 23 ms, more than the 10 ms of communication
+    predicted beside it: k at 1 is clamped to 1 (a cost per launch, not per second). Beside 5
+    five-layer operations it grew 1 ms: k at 5 is 0.1. With k = 1 for every size, overlap is
+    worth nothing and one group for the model wins; with k measured at the middle size, the sizes
+    from 5 up blend with it, and the middle size beats one group by the backward it hides."""
+    n, lb = 24, 198144.0
+    ready, end = _backward(n, 10e-3 / n)
+    alpha, beta = 0.9e-3, 49e-9
+    cost = lambda nb: alpha + beta * nb  # noqa: E731
+    m = ag.middle_group_size(n)
+    a = ag.AutoGroup(6)
+    for gsz in (1, n, m, 1, n, m):
+        nops = -(-n // gsz)
+        ops = [(gsz * lb, cost(gsz * lb))] * nops
+        bwd = {1: end + 23e-3, n: end, m: end + 1e-3}[gsz]
+        a.samples.append(ag.StepSample(gsz, [t * bwd / end for t in ready], None, bwd, ops, 0.2,
+                                       ops_after=ops[-2:] if gsz < n else ops, ops_beside=[]))
+    mm = a.measure([lb] * n, None)
+    assert mm["alpha"] == pytest.approx(alpha) and mm["beta"] == pytest.approx(beta)
+    ks = mm["contention_by_size"]
+    assert ks[1] == 1.0
+    _, e5, t5 = ag.predict_exposed(ready, [lb] * n, end, alpha, beta, m, with_total=True)
+    assert ks[m] == pytest.approx(1e-3 / (t5 - e5))
+    p = mm["predictions"]
+    assert p[m] == pytest.approx(ag.blend(e5, t5, ks[m]))
+    assert p[n] == pytest.approx(end * 0 + cost(n * lb))  # one group: all exposed, whatever k
+    assert mm["choice"] < n and p[mm["choice"]] < p[n] - 5e-3
+    assert mm["contention"] == ag.contention_at(mm["choice"], ks)
+    # the same samples with k at 1 standing for every size (no middle step): one group wins
+    a.samples = [s for s in a.samples if s.group_size != m]
+    assert a.measure([lb] * n, None)["choice"] == n
+
+
+def test_tail_after_the_last_operation_counts_against_one_big_group():
+    """The emulated cluster again (a run there): operations 0.33 ms + 45.7 ns/B, contention 1 at
+    one layer per group and at the middle size (every second of communication beside backward cost
+    a second of backward), so with the same bytes at every size the fewest operations win; but the
+    step ends 0.58 ms + 2 ns/B of the last operation's group after it (copying it back into the
+    gradients, committing residuals): 10 ms after one 4.75 MB group, 1 ms after a five-layer one.
+    Measured, one group for the model was 4.7% slower than 3 layers per group there."""
+    n, lb = 24, 198144.0
+    ready, end = _backward(n, 10e-3 / n)
+    alpha, beta = 0.33e-3, 45.7e-9
+    ta, tb = 0.58e-3, 2e-9
+    cost = lambda nb: alpha + beta * nb  # noqa: E731
+    m = ag.middle_group_size(n)
+    a = ag.AutoGroup(6)
+    for gsz in (1, n, m, 1, n, m):
+        ops = [(gsz * lb, cost(gsz * lb))] * -(-n // gsz)
+        _, e, t = ag.predict_exposed(ready, [lb] * n, end, alpha, beta, gsz, with_total=True)
+        a.samples.append(ag.StepSample(gsz, ready, None, end + (t - e), ops, e, ops_after=ops[-2:] if gsz < n else ops,
+                                       ops_beside=[], tail=(gsz * lb, ta + tb * gsz * lb)))
+    mm = a.measure([lb] * n, None)
+    assert mm["tail"] == (pytest.approx(ta), pytest.approx(tb))
+    assert mm["contention_by_size"] == {1: 1.0, m: 1.0}
+    p = mm["predictions"]
+    assert p[n] == pytest.approx(cost(n * lb) + ta + tb * n * lb)
+    # five layers per group: 4 operations' alpha more, 19 layers' tail less (6.2 ms)
+    assert p[m] - p[n] == pytest.approx((n // m + 1 - 1) * alpha - tb * (n - m) * lb)
+    assert mm["choice"] < n and p[mm["choice"]] < p[n] and p[m] < p[n] - 5e-3
+    # without the tail measured: the fewest operations win
+    for smp in a.samples:
+        smp.tail = None
+    mm = a.measure([lb] * n, None)
+    assert mm["tail"] == (0.0, 0.0) and mm["choice"] == n
+
+
 def test_choose_ties_go_to_the_larger_group():
     assert ag.choose({1: 0.0, 2: 0.0, 4: 1e-3}) == 2
     assert ag.choose({1: 1e-3, 2: 1e-3 * (1 + ag.TIE_REL / 2), 3: 2e-3}) == 2
@@ -229,8 +319,8 @@ def test_bad_calibration_steps_raise():
 
 
 def test_ws1_calibrate_regroup_invariant_log_checkpoint(ws1_group, caplog):
-    """TinyLM (8 layers + the root-level ``pos``): calibrating (4 steps after DDP's first) at 1,
-    8, 1, 8 layers per group, then the choice; the
+    """TinyLM (8 layers + the root-level ``pos``): calibrating (6 steps after DDP's first) at 1,
+    8, 3, 1, 8, 3 layers per group, then the choice; the
     rounding stand-in's error-feedback invariant sum_t y_t + r = sum_t x_t holds across both
     regroups; the log, stats and the state_dict hold the choice."""
     ws1_group(False)
@@ -245,7 +335,7 @@ def test_ws1_calibrate_regroup_invariant_log_checkpoint(ws1_group, caplog):
     sum_y = {n: torch.zeros_like(params[n], dtype=torch.float64) for n in ef_names}
     sizes = []
     with caplog.at_level(logging.INFO, logger="xirang"):
-        for step in range(8):
+        for step in range(10):
             # gradients before the hook: the reference model's own backward
             ref = hw.TinyLM()
             ref.load_state_dict(model.state_dict())
@@ -260,8 +350,12 @@ def test_ws1_calibrate_regroup_invariant_log_checkpoint(ws1_group, caplog):
             model.zero_grad(set_to_none=True)
     st = state.stats()["autogroup"]
     g = st["layers_per_group"]
-    assert sizes[:5] == [(1, 9), (1, 9), (8, 2), (1, 9), (8, 2)], sizes
-    assert st["decided"] and sizes[5:] == [(g, 1 + -(-8 // g))] * 3
+    assert sizes[:7] == [(1, 9), (1, 9), (8, 2), (3, 4), (1, 9), (8, 2), (3, 4)], sizes
+    assert st["decided"] and sizes[7:] == [(g, 1 + -(-8 // g))] * 3
+    assert sorted(st["contention_by_size"]) == [1, 3]
+    assert st["tail_s"] >= 0 and st["tail_s_per_byte"] >= 0
+    # every sample measured its tail (bytes 0 at world size 1: a ring of one sends nothing)
+    assert all(smp.tail is not None and smp.tail[0] == 0.0 and smp.tail[1] >= 0 for smp in state._auto.samples)
     assert st["source"] == "python"  # the stand-in keeps no records
     assert sorted(st["predictions_s"]) == list(range(1, 9))
     assert g == ag.choose(st["predictions_s"])
@@ -349,15 +443,15 @@ def _run(kind, **cfg):
 
 
 def test_ws2_exact_standin_outputs_are_the_average_through_calibration():
-    recs = _run("fake", exact=True, steps=8)
+    recs = _run("fake", exact=True, steps=10)
     for t, (s0, s1) in enumerate(zip(recs[0]["steps"], recs[1]["steps"])):
         for y0, y1, x0, x1 in zip(s0["y"], s1["y"], s0["x"], s1["x"]):
             torch.testing.assert_close(y0, (x0 + x1) / 2, rtol=1e-6, atol=1e-7, msg=str(t))
             assert torch.equal(y0, y1)
-    # calibration: DDP's first step, then 1, 6, 1, 6 layers per group; then the one choice
+    # calibration: DDP's first step, then 1, 6, 2, 1, 6, 2 layers per group; then the one choice
     sizes = [s["group_size"] for s in recs[0]["steps"]]
     g = recs[0]["stats"]["autogroup"]["layers_per_group"]
-    assert sizes == [1, 1, 6, 1, 6, g, g, g], sizes
+    assert sizes == [1, 1, 6, 2, 1, 6, 2, g, g, g], sizes
     assert recs[1]["stats"]["autogroup"]["layers_per_group"] == g
 
 
@@ -371,10 +465,13 @@ def test_ws2_real_same_choice_invariant_replicas(kind):
     assert a0["predicted_exposed_comm_s"] == a1["predicted_exposed_comm_s"]  # rank 0's, broadcast
     assert a0["source"] == "records+python" and sorted(a0["predictions_s"]) == list(range(1, 7))
     assert g == ag.choose(a0["predictions_s"])
-    assert a0["steps_since_choice"] == steps - 5 and a0["measured_exposed_comm_s"] >= 0
+    assert a0["steps_since_choice"] == steps - 7 and a0["measured_exposed_comm_s"] >= 0
     for r in recs:
-        assert [s["group_size"] for s in r["steps"]] == [1, 1, 6, 1, 6] + [g] * (steps - 5)
+        assert [s["group_size"] for s in r["steps"]] == [1, 1, 6, 2, 1, 6, 2] + [g] * (steps - 7)
         assert r["state_dict"]["autogroup"]["layers_per_group"] == g
+        # each calibration step's tail: after an operation of a group's bytes (all 6 layers' at most)
+        assert len(r["tails"]) == 6 and all(0 < b <= r["tails"][1][0] and t >= 0 for b, t in r["tails"])
+        assert r["tails"][1][0] == max(b for b, _ in r["tails"])  # the one-group step: every layer
     names, N = recs[0]["names"], 2
     for k, name in enumerate(names):
         lhs = recs[0]["sum_y"][k].clone()

@@ -5,9 +5,11 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
 
 1. Calibration. The state starts with one layer per group. DDP's first synced step (one big
    bucket: every gradient arrives at the end) is not measured. The next ``calibration_steps``
-   synced steps alternate one layer per group and all layers in one group (1, n, 1, ...): the
-   operations have at least two sizes even when every layer has the same size, and the one-group
-   steps run backward with no communication beside it (their one operation starts at its end).
+   synced steps take turns at one layer per group, all layers in one group, and a middle size
+   ``m = round(sqrt(n))`` (1, n, m, 1, n, m; 1, n, 1, n where ``n < 3``): the operations have at
+   least two sizes even when every layer has the same size, the one-group steps run backward with
+   no communication beside it (their one operation starts at its end), and the contention below
+   is measured where launches are many (1) and where they are few (m).
    Per step the state records, in seconds from the step's first hook call (from the end of the
    step-start work there: reading the last step's records, a regroup, allocating the groups'
    buffers; it is calibration's own cost, not backward's): when each layer's last
@@ -42,11 +44,22 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    slower: the median, over the operations that ran beside backward all along, of their seconds
    over the fit's (the timeline slows them until the end of backward). And the prediction is
    ``(1 - k) exposed + k total`` (:func:`blend`): ``k`` in [0, 1] is the measured contention, the
-   seconds backward grew per second of communication beside it: (end of the fastest backward at
-   one layer per group - end of the fastest alone) / the predicted communication before the end
-   of backward at one layer per group (total - exposed). ``k = 0``: separate resources (a GPU and its copy
-   engines), the plain timeline; ``k = 1``: one shared core, every second of communication costs
-   a second of step whether hidden or not.
+   seconds backward grew per second of communication beside it, at each calibrated size ``s``
+   below n: (end of the fastest backward at ``s`` - end of the fastest alone) / the predicted
+   communication before the end of backward at ``s`` (total - exposed); a size between two
+   calibrated ones takes their values' interpolation in log g (:func:`contention_at`). ``k = 0``:
+   separate resources (a GPU and its copy engines), the plain timeline; ``k = 1``: one shared
+   core, every second of communication costs a second of step whether hidden or not. (On the
+   emulated cluster, 4 ranks on 2 cores with a 1 ms delay line across racks, k came out 1 at both
+   sizes; there the middle size's operations mattered to the fit: with two sizes it gave alpha
+   0.94 ms per operation, with three 0.33 ms, and auto chose 24 and 18 layers per group on the
+   same run's samples.) Last, the tail: the step ends a while after its last operation (copying that group back
+   into the gradients, committing residuals: work no later operation hides), measured in every
+   calibration step against the bytes of the operation that finished last and fitted the same
+   way (``tail = a + b x bytes``, both >= 0); each size's prediction adds the tail of the group
+   it launches last. Without it, one group for the model (all its bytes copied back after the
+   last operation: 10 ms on the emulated cluster's 24-block model) looked as fast as a few layers
+   per group, and auto took it, 4.7% slower there.
 4. Choice (:func:`choose`): the smallest prediction; predictions within ``max(TIE_REL x best,
    TIE_ABS_S)`` of it count as ties and the largest such ``g`` wins (fewer launches, less
    CPU). Group rank 0 decides and broadcasts ``(g, predicted exposed s)`` over the process group
@@ -61,16 +74,47 @@ import math
 import statistics
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-#: Synced steps measured after DDP's first one (default of ``calibration_steps``).
-CALIBRATION_STEPS = 4
+#: Synced steps measured after DDP's first one (default of ``calibration_steps``): twice each of
+#: the three calibration sizes (:func:`calibration_group_size`).
+CALIBRATION_STEPS = 6
 #: Predictions within max(TIE_REL x best, TIE_ABS_S) seconds of the best are ties (largest g wins).
 TIE_REL = 0.02
 TIE_ABS_S = 20e-6
 
 
+def middle_group_size(n_layers: int) -> Optional[int]:
+    """The middle calibration size: ``round(sqrt(n_layers))`` when it lies strictly between 1 and
+    ``n_layers`` (``n_layers >= 3``), else None."""
+    m = int(round(math.sqrt(n_layers)))
+    return m if 1 < m < n_layers else None
+
+
 def calibration_group_size(index: int, n_layers: int) -> int:
-    """Layers per group of measured calibration step ``index`` (0-based): 1, n_layers, 1, ..."""
-    return n_layers if index % 2 else 1
+    """Layers per group of measured calibration step ``index`` (0-based): 1, n_layers, the middle
+    size (:func:`middle_group_size`), 1, n_layers, ...; 1, n_layers, 1, ... where there is no
+    middle size."""
+    m = middle_group_size(n_layers)
+    sizes = (1, n_layers) if m is None else (1, n_layers, m)
+    return sizes[index % len(sizes)]
+
+
+def contention_at(g: int, measured: Dict[int, float]) -> float:
+    """The contention (k of :func:`blend`) used for ``g`` layers per group, from ``measured``
+    (calibrated size -> k): the nearest measured sizes' in log g, linear between them, the end
+    values beyond them (0 where nothing was measured)."""
+    if not measured:
+        return 0.0
+    sizes = sorted(measured)
+    if g <= sizes[0]:
+        return measured[sizes[0]]
+    if g >= sizes[-1]:
+        return measured[sizes[-1]]
+    hi = min(s for s in sizes if s >= g)
+    lo = max(s for s in sizes if s <= g)
+    if hi == lo:
+        return measured[lo]
+    w = (math.log(g) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return (1 - w) * measured[lo] + w * measured[hi]
 
 
 def blend(exposed_s: float, total_s: float, contention: float) -> float:
@@ -88,7 +132,8 @@ def op_cost(alpha: float, beta: float, nbytes: float, floor_s: float = 0.0) -> f
 def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_end_s: float,
                     alpha: float, beta: float, g: int,
                     extra: Optional[Tuple[float, float]] = None, contention: float = 0.0,
-                    with_total: bool = False, slowdown: float = 1.0, floor_s: float = 0.0):
+                    with_total: bool = False, slowdown: float = 1.0, floor_s: float = 0.0,
+                    tail: Tuple[float, float] = (0.0, 0.0)):
     """Predicted exposed communication (s) of one step at ``g`` layers per group.
 
     ``ready_s[l]``: seconds at which layer ``l`` (forward order) can launch; ``layer_bytes[l]``:
@@ -96,21 +141,23 @@ def predict_exposed(ready_s: Sequence[float], layer_bytes: Sequence[float], bwd_
     layer, always its own group. Groups are runs of ``g`` consecutive layers, ready at the latest
     of their layers, costing :func:`op_cost` (s); launched in order of readiness, run one at a time (:func:`xirang.sim.timeline.exposed_comm`; ``slowdown`` times slower before
     ``bwd_end_s``); exposed past ``bwd_end_s``, then
-    :func:`blend` ed with the total by ``contention`` (0: the plain timeline). ``with_total``:
-    return ``(prediction, exposed, total)``.
+    :func:`blend` ed with the total by ``contention`` (0: the plain timeline); plus the tail
+    ``tail[0] + tail[1] x bytes`` of the operation launched last (s, s/B: the step's work after
+    its last operation, copying its group back into the gradients, exposed whatever ``g``; not in
+    ``exposed`` or ``total``). ``with_total``: return ``(prediction, exposed, total)``.
     """
     from xirang.sim.timeline import exposed_comm  # noqa: PLC0415  (lazy: hooks load without sim)
 
     units = []
     n = len(ready_s)
     for start in range(0, n, g):
-        units.append((max(ready_s[start:start + g]),
-                      op_cost(alpha, beta, sum(layer_bytes[start:start + g]), floor_s)))
+        nbytes = sum(layer_bytes[start:start + g])
+        units.append((max(ready_s[start:start + g]), op_cost(alpha, beta, nbytes, floor_s), nbytes))
     if extra is not None:
-        units.append((extra[0], op_cost(alpha, beta, extra[1], floor_s)))
+        units.append((extra[0], op_cost(alpha, beta, extra[1], floor_s), extra[1]))
     units.sort(key=lambda u: u[0])  # launch order: readiness (stable for equal times)
-    exposed, total = exposed_comm(units, bwd_end_s, slowdown)
-    pred = blend(exposed, total, contention)
+    exposed, total = exposed_comm([u[:2] for u in units], bwd_end_s, slowdown)
+    pred = blend(exposed, total, contention) + op_cost(tail[0], tail[1], units[-1][2] if units else 0.0)
     return (pred, exposed, total) if with_total else pred
 
 
@@ -126,16 +173,19 @@ class StepSample:
     """One calibration step at ``group_size`` layers per group: per-layer hand times and end of
     backward (s from the step's first hook call), the operations' ``(bytes, seconds)`` (all of
     them, those that started after the end of backward: alone on the CPU, and those that ended
-    before it: beside backward all along) and the measured
-    exposed communication (s)."""
+    before it: beside backward all along), the measured
+    exposed communication (s) and the tail ``(bytes, seconds)``: the end of the step (copies back
+    into the gradients, the residual commit) after the operation that finished last, and that
+    operation's bytes (None: not measured)."""
 
     __slots__ = ("group_size", "layer_t", "extra_t", "bwd_end_s", "ops", "exposed_s", "ops_after",
-                 "ops_beside")
+                 "ops_beside", "tail")
 
     def __init__(self, group_size: int, layer_t: List[Optional[float]], extra_t: Optional[float],
                  bwd_end_s: float, ops: List[Tuple[float, float]], exposed_s: float,
                  ops_after: Optional[List[Tuple[float, float]]] = None,
-                 ops_beside: Optional[List[Tuple[float, float]]] = None):
+                 ops_beside: Optional[List[Tuple[float, float]]] = None,
+                 tail: Optional[Tuple[float, float]] = None):
         self.group_size = group_size
         self.layer_t = layer_t
         self.extra_t = extra_t
@@ -144,6 +194,7 @@ class StepSample:
         self.ops_after = ops_after  # the ops that started after the end of backward (None: unknown)
         self.ops_beside = ops_beside  # the ops that ended before it: all of it beside backward
         self.exposed_s = exposed_s
+        self.tail = tail
 
 
 class AutoGroup:
@@ -171,6 +222,8 @@ class AutoGroup:
         self.alpha_s: Optional[float] = None
         self.beta_s_per_byte: Optional[float] = None
         self.contention: Optional[float] = None
+        self.contention_by_size: Dict[int, float] = {}
+        self.tail: Optional[Tuple[float, float]] = None  # (s, s/B) after the last operation
         self.slowdown: Optional[float] = None
         self.source: Optional[str] = None
         self.restored = False
@@ -209,7 +262,6 @@ class AutoGroup:
         # of step the fastest backward is the one measured.
         alone = min((s for s in self.samples if s.group_size >= n), key=lambda s: s.bwd_end_s,
                     default=min(self.samples, key=lambda s: s.bwd_end_s))
-        each = min((s.bwd_end_s for s in self.samples if s.group_size == 1), default=alone.bwd_end_s)
         bwd_end = alone.bwd_end_s
         # a layer never handed (no gradient: unused) is launched at the end of the step
         ready = [bwd_end if alone.layer_t[i] is None else alone.layer_t[i] for i in range(n)]
@@ -221,16 +273,26 @@ class AutoGroup:
         ratios = [t / op_cost(alpha, beta, b, floor) for smp in self.samples for b, t in (smp.ops_beside or [])
                   if op_cost(alpha, beta, b, floor) > 0]
         slow = max(1.0, statistics.median(ratios)) if ratios else 1.0
-        # contention: how much longer backward ran beside one-layer-per-group communication
-        _, exp1, tot1 = predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, 1, extra, with_total=True,
-                                        slowdown=slow, floor_s=floor)
-        grew = each - bwd_end
-        k = min(1.0, max(0.0, grew / (tot1 - exp1))) if tot1 - exp1 > 0 else 0.0
-        preds = {g: predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, g, extra, k, slowdown=slow,
-                                    floor_s=floor)
+        # contention at each calibrated size below n (1 and the middle one): how much longer
+        # backward ran beside that size's communication, per second of it predicted before the end
+        # of backward
+        ks: Dict[int, float] = {}
+        for size in sorted({s.group_size for s in self.samples if s.group_size < n}):
+            grown = min(s.bwd_end_s for s in self.samples if s.group_size == size)
+            _, exp_s, tot_s = predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, size, extra,
+                                              with_total=True, slowdown=slow, floor_s=floor)
+            ks[size] = (min(1.0, max(0.0, (grown - bwd_end) / (tot_s - exp_s))) if tot_s - exp_s > 0
+                        else 0.0)
+        # the tail after the last operation against its bytes (alpha, beta >= 0; 0 if unmeasured)
+        tails = [s.tail for s in self.samples if s.tail is not None]
+        tail = fit_per_op(median_per_size(tails)) if tails else (0.0, 0.0)
+        preds = {g: predict_exposed(ready, layer_bytes, bwd_end, alpha, beta, g, extra, contention_at(g, ks),
+                                    slowdown=slow, floor_s=floor, tail=tail)
                  for g in range(1, max(1, n) + 1)}
-        return {"alpha": alpha, "beta": beta, "contention": k, "slowdown": slow, "predictions": preds,
-                "choice": choose(preds), "ready_s": ready, "bwd_end_s": bwd_end}
+        choice = choose(preds)
+        return {"alpha": alpha, "beta": beta, "contention": contention_at(choice, ks), "contention_by_size": ks,
+                "slowdown": slow, "tail": tail, "predictions": preds, "choice": choice, "ready_s": ready,
+                "bwd_end_s": bwd_end}
 
     def calibration_record(self) -> Dict[str, Any]:
         """The calibration as measured, to replay the model offline (benchmarks' JSON):
@@ -255,6 +317,9 @@ class AutoGroup:
             "alpha_s": self.alpha_s,
             "beta_s_per_byte": self.beta_s_per_byte,
             "contention": self.contention,
+            "contention_by_size": dict(self.contention_by_size),
+            "tail_s": None if self.tail is None else self.tail[0],
+            "tail_s_per_byte": None if self.tail is None else self.tail[1],
             "slowdown": self.slowdown,
             "source": self.source,
             "predicted_exposed_comm_s": self.predicted_exposed_s,

@@ -279,6 +279,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._exposed_s = 0.0
         self._sum_exposed_s = 0.0
         self._t_last_hook_return: Optional[float] = None
+        self._t_step_end: Optional[float] = None  # perf_counter s at the end of the last synced step
         self._pending_residuals: Optional[Dict[str, torch.Tensor]] = None
         self._pending_meta: Optional[Dict[str, Any]] = None
         # Early launch: the launch order learned from the last step's buckets ([] until one
@@ -806,8 +807,9 @@ class BF16ErrorFeedbackState(Checkpointing):
         for g in launched:
             g.launches_last_step = 1
         self.steps += 1
+        self._t_step_end = time.perf_counter()
         if self._t_last_hook_return is not None:
-            self._exposed_s = max(0.0, time.perf_counter() - self._t_last_hook_return)
+            self._exposed_s = max(0.0, self._t_step_end - self._t_last_hook_return)
             self._sum_exposed_s += self._exposed_s
 
     def _settle(self) -> None:
@@ -868,7 +870,8 @@ class BF16ErrorFeedbackState(Checkpointing):
                 if a.seen_steps > 1:  # DDP's first synced step (one big bucket) is not measured
                     a.pending = {"step": step, "groups": [g for g, _ in launched],
                                  "group_size": self._auto_lpg,
-                                 "t_end": self._t_last_hook_return, "exposed_s": self._exposed_s}
+                                 "t_end": self._t_last_hook_return, "exposed_s": self._exposed_s,
+                                 "t_step_end": self._t_step_end}
 
     # -- layers_per_group="auto" ------------------------------------------------------------
 
@@ -929,13 +932,19 @@ class BF16ErrorFeedbackState(Checkpointing):
                 beside.append(op)
         src = "records+python" if from_records else "python"
         self._auto.source = src if self._auto.source in (None, src) else "python"
+        # The tail: the end of the step (its last bucket copied back into the gradients, the
+        # residuals committed) after the operation that finished last, against that group's bytes
+        tail = None
+        if order and p.get("t_step_end") is not None:
+            last = max(order, key=lambda g: step.groups[g.index].t_done)
+            tail = (self._bytes_of(last.slots), max(0.0, p["t_step_end"] - step.groups[last.index].t_done))
         layer_t: List[Optional[float]] = [None] * self._n_layers
         for layer, t in step.layer_t.items():
             if 0 <= layer < self._n_layers:
                 layer_t[layer] = t - t0
         extra = step.layer_t.get(-1)
         return StepSample(p["group_size"], layer_t, None if extra is None else extra - t0, t_end - t0, ops,
-                          p["exposed_s"], after, beside)
+                          p["exposed_s"], after, beside, tail)
 
     def _auto_decide(self) -> None:
         a = self._auto
@@ -955,16 +964,20 @@ class BF16ErrorFeedbackState(Checkpointing):
         a.chosen, a.predicted_exposed_s = g, pred
         a.predictions, a.alpha_s, a.beta_s_per_byte = m["predictions"], m["alpha"], m["beta"]
         a.contention, a.slowdown = m["contention"], m["slowdown"]
+        a.contention_by_size, a.tail = dict(m["contention_by_size"]), m["tail"]
         cands = ", ".join(f"{k}: {v * 1e3:.3f}" for k, v in sorted(m["predictions"].items()))
         who = "rank 0's choice" if g == mine else f"rank 0's choice; this rank's was {mine}"
         n_ops = sum(len(s.ops) for s in a.samples)
         exposed_cal = statistics.median([s.exposed_s for s in a.samples])
         log.info("xirang hook: layers_per_group='auto' chose %d layers per group (%s; predicted exposed "
                  "communication %.3f ms; fit over %d operations of %d steps (%s): alpha %.1f us per "
-                 "operation, beta %.3g s/B, contention %.2f, slowdown beside backward %.2f; measured "
+                 "operation, beta %.3g s/B, contention %.2f (by calibrated size: %s), slowdown beside backward "
+                 "%.2f; tail after the last operation %.1f us + %.3g s/B; measured "
                  "exposed at calibration %.3f ms). "
                  "Predicted exposed ms by layers per group: %s", g, who, pred * 1e3, n_ops, len(a.samples),
-                 a.source, m["alpha"] * 1e6, m["beta"], m["contention"], m["slowdown"], exposed_cal * 1e3,
+                 a.source, m["alpha"] * 1e6, m["beta"], m["contention"],
+                 ", ".join(f"{k}: {v:.2f}" for k, v in sorted(m["contention_by_size"].items())), m["slowdown"],
+                 m["tail"][0] * 1e6, m["tail"][1], exposed_cal * 1e3,
                  cands)
         self._regroup(g)
 
@@ -991,7 +1004,10 @@ class BF16ErrorFeedbackState(Checkpointing):
         ``autogroup``: None unless ``layers_per_group="auto"``; then ``decided``,
         ``layers_per_group`` (the choice, None while calibrating), ``calibration_steps`` and
         ``calibration_steps_measured``, ``restored`` (from a checkpoint), ``alpha_s`` (s per
-        operation), ``beta_s_per_byte``, ``contention`` (0..1), ``slowdown`` (>= 1), ``source``
+        operation), ``beta_s_per_byte``, ``contention`` (0..1, the chosen size's),
+        ``contention_by_size`` (calibrated size -> k), ``slowdown`` (>= 1), ``tail_s`` and
+        ``tail_s_per_byte`` (the step's end after its last operation: s + s/B of that
+        operation's bytes), ``source``
         ("records+python" or "python"), ``predicted_exposed_comm_s`` (rank 0's, for the choice),
         ``measured_exposed_comm_s`` (mean ``exposed_comm_s`` of the steps since the choice), ``steps_since_choice`` and
         ``predictions_s`` (g -> predicted s, this rank's). After a regroup the per-group figures
