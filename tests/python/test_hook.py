@@ -225,7 +225,7 @@ def test_default_layers_one_per_block_local_models():
 
 
 def _hf():
-    return pytest.importorskip("transformers", reason="transformers not installed (tests/setup_env.sh installs it)")
+    return pytest.importorskip("transformers", reason="transformers not installed (tests/run.sh installs it)")
 
 
 def test_default_layers_one_per_block_hf_models():
