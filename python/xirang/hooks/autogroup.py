@@ -59,7 +59,7 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    way (``tail = a + b x bytes``, both >= 0); each size's prediction adds the tail of the group
    it launches last. Without it, one group for the model (all its bytes copied back after the
    last operation: 10 ms on the emulated cluster's 24-block model) looked as fast as a few layers
-   per group, and auto took it, 4.7% slower there.
+   per group, and auto took it: 5.4-5.9% slower than the best size there in three runs.
 4. Choice (:func:`choose`): the smallest prediction; predictions within ``max(TIE_REL x best,
    TIE_ABS_S)`` of it count as ties and the largest such ``g`` wins (fewer launches, less
    CPU). Group rank 0 decides and broadcasts ``(g, predicted exposed s)`` over the process group
