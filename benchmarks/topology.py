@@ -424,11 +424,13 @@ def main() -> int:
         sweep_sizes = []
     if not sweep_sizes or min(sweep_sizes) < 1:
         ap.error(f"--sweep-sizes: comma-separated ints >= 1, got {a.sweep_sizes!r}")
-    if a.sweep_warmup is None:
-        a.sweep_warmup = auto_warmup()
-    if a.sweep_warmup < auto_warmup():
-        ap.error(f"--sweep-warmup must be >= {auto_warmup()} (auto's calibration: DDP's first step + "
-                 f"{auto_warmup() - 2} measured, the choice applied at the next)")
+    if a.sweep_groups > 0:  # auto_warmup() imports xirang: only for the sweep
+        need = auto_warmup()
+        if a.sweep_warmup is None:
+            a.sweep_warmup = need
+        if a.sweep_warmup < need:
+            ap.error(f"--sweep-warmup must be >= {need} (auto's calibration: DDP's first step + "
+                     f"{need - 2} measured, the choice applied at the next)")
     if a.sweep_model == "gpt2" and (a.sweep_width < 4 or a.sweep_width % 4):
         ap.error(f"--sweep-model gpt2: --sweep-width must be a positive multiple of 4 (4 heads), got {a.sweep_width}")
 

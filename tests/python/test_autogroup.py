@@ -259,7 +259,6 @@ def test_per_launch_cost_at_one_layer_does_not_stand_for_every_size():
     assert p[m] == pytest.approx(ag.blend(e5, t5, ks[m]))
     assert p[n] == pytest.approx(end * 0 + cost(n * lb))  # one group: all exposed, whatever k
     assert mm["choice"] < n and p[mm["choice"]] < p[n] - 5e-3
-    assert mm["contention"] == ag.contention_at(mm["choice"], ks)
     # the same samples with k at 1 standing for every size (no middle step): one group wins
     a.samples = [s for s in a.samples if s.group_size != m]
     assert a.measure([lb] * n, None)["choice"] == n
@@ -380,6 +379,9 @@ def test_ws1_calibrate_regroup_invariant_log_checkpoint(ws1_group, caplog):
     fixed = hooks.BF16ErrorFeedbackState(hw.TinyLM(), layers_per_group=g)
     assert st2.group_size() == g and st2.groups == fixed.groups
     assert st2.stats()["autogroup"]["restored"] and st2.stats()["autogroup"]["decided"]
+    r2 = st2.stats()["autogroup"]
+    assert (r2["contention_by_size"], r2["tail_s"], r2["tail_s_per_byte"], r2["contention"]) == (
+        st["contention_by_size"], st["tail_s"], st["tail_s_per_byte"], st["contention"])
     for n, t in st2.state_dict()["residuals"].items():
         assert torch.equal(t, sd["residuals"][n])
     # a fixed-size state loading it keeps its own size (residuals by name)
@@ -465,6 +467,8 @@ def test_ws2_real_same_choice_invariant_replicas(kind):
     assert a0["predicted_exposed_comm_s"] == a1["predicted_exposed_comm_s"]  # rank 0's, broadcast
     assert a0["source"] == "records+python" and sorted(a0["predictions_s"]) == list(range(1, 7))
     assert g == ag.choose(a0["predictions_s"])
+    for a in (a0, a1):  # the contention reported is the size in use's (rank 0's choice), on every rank
+        assert a["contention"] == pytest.approx(ag.contention_at(g, a["contention_by_size"]))
     assert a0["steps_since_choice"] == steps - 7 and a0["measured_exposed_comm_s"] >= 0
     for r in recs:
         assert [s["group_size"] for s in r["steps"]] == [1, 1, 6, 2, 1, 6, 2] + [g] * (steps - 7)

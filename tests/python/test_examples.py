@@ -149,7 +149,7 @@ def test_train_text_default_corpus_and_user_data(tmp_path):
     ("benchmarks/allreduce.py", ["--op-timeout", "inf"], "--timeout and --op-timeout must be > 0 seconds"),
     # auto's calibration (DDP's first step + CALIBRATION_STEPS + the step applying the choice)
     ("benchmarks/ddp_step.py", ["--configs", "xirang_hook_auto", "--warmup", "7"], "--warmup must be >= 8 with"),
-    ("benchmarks/topology.py", ["--sweep-warmup", "7"], "--sweep-warmup must be >= 8"),
+    ("benchmarks/topology.py", ["--sweep-groups", "5", "--sweep-warmup", "7"], "--sweep-warmup must be >= 8"),
 ])
 def test_bad_arguments_are_usage_errors(script, args, msg):
     """Found by a new user: train.py --batch-size 0 died in the first step with an IndexError, and

@@ -53,11 +53,14 @@ The plan (:class:`AutoGroup`, driven by the hook's state):
    emulated cluster, 4 ranks on 2 cores with a 1 ms delay line across racks, k came out 1 at both
    sizes; there the middle size's operations mattered to the fit: with two sizes it gave alpha
    0.94 ms per operation, with three 0.33 ms, and auto chose 24 and 18 layers per group on the
-   same run's samples.) Last, the tail: the step ends a while after its last operation (copying that group back
-   into the gradients, committing residuals: work no later operation hides), measured in every
-   calibration step against the bytes of the operation that finished last and fitted the same
-   way (``tail = a + b x bytes``, both >= 0); each size's prediction adds the tail of the group
-   it launches last. Without it, one group for the model (all its bytes copied back after the
+   same run's samples.) Last, the tail: the step ends a while after its last operation
+   (copying back the DDP buckets that waited on its group, committing residuals: work no later
+   operation hides),
+   measured in every calibration step against the bytes of the operation that finished last and
+   fitted the same way (``tail = a + b x bytes``, both >= 0); each size's prediction adds the
+   tail of the group it launches last. Where one group is last at every size (parameters in no
+   layer that are ready last, e.g. a tied embedding) the tail is the same at every size and
+   changes no choice. Without it, one group for the model (all its bytes copied back after the
    last operation: 10 ms on the emulated cluster's 24-block model) looked as fast as a few layers
    per group, and auto took it: 5.4-5.9% slower than the best size there in three runs.
 4. Choice (:func:`choose`): the smallest prediction; predictions within ``max(TIE_REL x best,
@@ -202,7 +205,9 @@ class AutoGroup:
 
     Attributes after the choice: ``chosen`` (layers per group), ``predicted_exposed_s`` (rank 0's
     prediction for it, s), ``predictions`` (g -> predicted exposed s, this rank's), ``alpha_s``
-    (s per operation), ``beta_s_per_byte``, ``contention`` (k of :func:`blend`), ``slowdown``,
+    (s per operation), ``beta_s_per_byte``, ``contention`` (k of :func:`blend` at the chosen
+    size), ``contention_by_size`` (calibrated size -> k), ``tail`` (``(s, s/B)`` after the last
+    operation), ``slowdown``,
     ``source`` ("records+python": Python-side service times floored by the records, or "python":
     no records; where the
     operations' seconds came from), ``restored`` (taken from a checkpoint, not measured).
@@ -336,6 +341,8 @@ class AutoGroup:
         return {"layers_per_group": self.chosen, "predicted_exposed_comm_s": self.predicted_exposed_s,
                 "alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
                 "contention": self.contention, "slowdown": self.slowdown,
+                "contention_by_size": dict(self.contention_by_size),
+                "tail": None if self.tail is None else list(self.tail),
                 "predictions_s": dict(self.predictions), "source": self.source}
 
     def restore(self, d: Dict[str, Any]) -> None:
@@ -343,6 +350,9 @@ class AutoGroup:
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"hook state_dict: autogroup layers_per_group must be a positive int, got {g!r}")
         predictions = {int(k): float(v) for k, v in (d.get("predictions_s") or {}).items()}  # may raise: first
+        by_size = {int(k): float(v) for k, v in (d.get("contention_by_size") or {}).items()}
+        tail = d.get("tail")
+        tail = None if tail is None else (float(tail[0]), float(tail[1]))
         self.chosen = g
         self.predicted_exposed_s = d.get("predicted_exposed_comm_s")
         self.alpha_s = d.get("alpha_s")
@@ -350,6 +360,7 @@ class AutoGroup:
         self.contention = d.get("contention")
         self.slowdown = d.get("slowdown")
         self.predictions = predictions
+        self.contention_by_size, self.tail = by_size, tail
         self.source = d.get("source")
         self.restored = True
         self.samples = []

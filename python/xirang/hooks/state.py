@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .autogroup import CALIBRATION_STEPS, AutoGroup, StepSample, op_seconds_python
+from .autogroup import CALIBRATION_STEPS, AutoGroup, StepSample, contention_at, op_seconds_python
 from .checkpoint import Checkpointing
 from .layout import Group, Slot, build_groups, check_sparse
 from .stats import hook_stats
@@ -126,8 +126,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             ``None`` or ``"auto"`` (``TypeError`` for another type, ``bool`` included;
             ``ValueError`` below 1 or for another string).
         auto_calibration_steps: with ``layers_per_group="auto"``: synced steps measured after
-            DDP's first one before choosing (an int >= 2, default 4; one layer
-            per group and all layers in one group, alternating). The choice is made, agreed
+            DDP's first one before choosing (an int >= 2, default 6; taking turns at one layer
+            per group, all layers in one group and ``round(sqrt(layers))``). The choice is made, agreed
             (group rank 0 decides, a broadcast over ``process_group``) and applied at the first
             hook call of the step after them, on every rank.
         layers: override of the layer list (modules, in the order they count). Default:
@@ -963,7 +963,8 @@ class BF16ErrorFeedbackState(Checkpointing):
             g, pred = int(t[0].item()), float(t[1].item())
         a.chosen, a.predicted_exposed_s = g, pred
         a.predictions, a.alpha_s, a.beta_s_per_byte = m["predictions"], m["alpha"], m["beta"]
-        a.contention, a.slowdown = m["contention"], m["slowdown"]
+        # the contention of the size in use (rank 0's choice), from this rank's measurements
+        a.contention, a.slowdown = contention_at(g, m["contention_by_size"]), m["slowdown"]
         a.contention_by_size, a.tail = dict(m["contention_by_size"]), m["tail"]
         cands = ", ".join(f"{k}: {v * 1e3:.3f}" for k, v in sorted(m["predictions"].items()))
         who = "rank 0's choice" if g == mine else f"rank 0's choice; this rank's was {mine}"
@@ -975,7 +976,7 @@ class BF16ErrorFeedbackState(Checkpointing):
                  "%.2f; tail after the last operation %.1f us + %.3g s/B; measured "
                  "exposed at calibration %.3f ms). "
                  "Predicted exposed ms by layers per group: %s", g, who, pred * 1e3, n_ops, len(a.samples),
-                 a.source, m["alpha"] * 1e6, m["beta"], m["contention"],
+                 a.source, m["alpha"] * 1e6, m["beta"], a.contention,
                  ", ".join(f"{k}: {v:.2f}" for k, v in sorted(m["contention_by_size"].items())), m["slowdown"],
                  m["tail"][0] * 1e6, m["tail"][1], exposed_cal * 1e3,
                  cands)
