@@ -106,6 +106,7 @@ def test_train_compare_table(backend, tmp_path):
         assert abs(a["final_loss"] - b["final_loss"]) < 0.2, s
 
 
+@pytest.mark.slow
 def test_train_resume_is_bitwise(backend, tmp_path):
     """5 steps, save, resume in new processes, 5 more == 10 uninterrupted steps (CPU, bitwise)."""
     common = _train_args(backend, steps=10)

@@ -911,6 +911,7 @@ def test_wire_argument_checked():
     assert st.state_dict()["wire"] == "int8"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", REAL_KINDS)
 def test_convergence_digits(kind, capsys):
     pytest.importorskip("sklearn")
