@@ -310,6 +310,7 @@ def sc_direct(rank, ws, hooks, out, cfg):
             "y": ys if keep else None,
             "res": {k: v.clone() for k, v in state.residuals.items()} if keep else None,
             "y_hash": [hash_t(y) if y is not None else None for y in ys],
+            "ready_hooks": sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()),
         })
         model.zero_grad(set_to_none=cfg.get("set_to_none", True))
     rec["sum_x"], rec["sum_y"] = sum_x, sum_y

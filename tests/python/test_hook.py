@@ -731,6 +731,10 @@ def test_one_host_averages_buckets_in_place(ws):
         want_bytes = 4 * sum(math.prod(s) for s in LOCAL_SHAPES) * 2 * (ws - 1) / ws
         assert rec["stats"]["totals"]["bytes_wire_per_step"] == pytest.approx(want_bytes)
         assert all(int(torch.count_nonzero(v)) == 0 for v in rec["res"].values())
+        # the local path drops the per-parameter post-accumulate-grad hooks after its first
+        # bucket (they stamp readiness for the groups it does not use); the groups keep them
+        assert [s["ready_hooks"] for s in rec["steps"]] == [0, 0, 0]
+        assert [s["ready_hooks"] for s in g["steps"]] == [len(LOCAL_SHAPES)] * 3
         for step in range(3):
             for i in range(len(LOCAL_SHAPES)):
                 y = rec["steps"][step]["y"][i]

@@ -275,6 +275,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._expected: set = set()
         self._step: Optional[_Step] = None
         self._ready_handles: List[Any] = []
+        self._ready_on = False  # _ready_handles registered (measure_readiness, not on the local path)
         self._warned_flush = False
         self._exposed_s = 0.0
         self._sum_exposed_s = 0.0
@@ -338,14 +339,31 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._build_groups(root, ddp)
         if ddp is not None and (self.measure_readiness or self._ddp_index is not None):
             self._fwd_handle = ddp.register_forward_hook(_ArmEarly(self))
-        if self.measure_readiness:
-            for key, s in self._slots.items():
-                if hasattr(s.param, "register_post_accumulate_grad_hook"):
-                    self._ready_handles.append(
-                        s.param.register_post_accumulate_grad_hook(_ReadyMark(self, key)))
+        self._ready_on = False
+        self._ready_hooks(True)
         self._backend = None
         if dist.is_available() and dist.is_initialized():
             self._resolve_backend()
+
+    def _ready_hooks(self, want: bool) -> None:
+        """Register (``want``, with ``measure_readiness``) or remove the post-accumulate-grad
+        hooks (``_ReadyMark``) on the bound model's parameters. The local path removes them: it
+        reads no stamp, and each costs a Python call per parameter per backward, ``no_sync``
+        steps included. Registered again at a step's first bucket, the hooks missed this
+        backward's earlier gradients, so that step launches no group early."""
+        want = want and self.measure_readiness
+        if want == self._ready_on:
+            return
+        for h in self._ready_handles:
+            h.remove()
+        self._ready_handles = []
+        self._ready_on = want
+        if not want:
+            return
+        for key, s in self._slots.items():
+            if hasattr(s.param, "register_post_accumulate_grad_hook"):
+                self._ready_handles.append(s.param.register_post_accumulate_grad_hook(_ReadyMark(self, key)))
+        self._armed = False
 
     def group_size(self) -> Optional[int]:
         """Layers per group in use now: the fixed setting, or with ``"auto"`` the choice (the
@@ -543,6 +561,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         if step is None or step.local:  # a step's path is chosen at its first hook call
             if step is None:
                 self._local = self._all_local()
+                self._ready_hooks(not self._local)
             if self._local:
                 return self._on_bucket_local(bucket, t0)
         params = bucket.parameters()
