@@ -23,6 +23,19 @@ def auto_warmup() -> int:
     return CALIBRATION_STEPS + 2
 
 
+def auto_model(ag: dict) -> str:
+    """``stats()["autogroup"]``'s fitted model in one line (both benchmarks print rank 0's): alpha
+    (us per operation), beta (as MB/s) and its source, the contention at the size in use and by
+    calibrated size, the tail (us + s/B), the slowdown, the predicted exposed ms by layers/group."""
+    beta = ag.get("beta_s_per_byte")
+    preds = sorted((ag.get("predictions_s") or {}).items(), key=lambda kv: int(kv[0]))
+    return (f"alpha {1e6 * (ag.get('alpha_s') or 0):.1f} us/op, {(1e-6 / beta) if beta else float('nan'):.1f} MB/s "
+            f"({ag.get('source')}), contention {ag.get('contention') or 0:.2f} (by calibrated size "
+            f"{ag.get('contention_by_size')}), tail {1e6 * (ag.get('tail_s') or 0):.0f} us + "
+            f"{ag.get('tail_s_per_byte') or 0:.3g} s/B, slowdown {ag.get('slowdown') or 1:.2f}; "
+            "predicted exposed ms by layers/group: " + ", ".join(f"{k}: {v * 1e3:.2f}" for k, v in preds))
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

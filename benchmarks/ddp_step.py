@@ -26,6 +26,8 @@ per configuration, each from the same seed (identical initial weights, identical
                     when torch or gloo rejects it)
     gloo_powersgd   gloo + torch's powerSGD_hook, matrix_approximation_rank=4,
                     start_powerSGD_iter=2 (compressing from the first step after warmup)
+    xirang_powersgd the same PowerSGD hook over xirang's plain allreduce (its callbacks call
+                    further collectives of the group: they run off xirang's communication thread)
     xirang_fp16     xirang + fp16_compress_hook (torch's hook over xirang's plain allreduce)
     xirang_hook_gK  the hook with layers_per_group=K and bucket_cap_mb=--hook-bucket-cap-mb
     xirang_hook_auto  the same with layers_per_group="auto" (calibrated and chosen during warmup)
@@ -87,10 +89,10 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import auto_warmup, machine_info, run_ranks  # noqa: E402
+from _ranks import auto_model, auto_warmup, machine_info, run_ranks  # noqa: E402
 
 ALL_CONFIGS = ["gloo", "xirang", "xirang_hook", "xirang_hook_late", "xirang_hook_bc", "gloo_fp16", "gloo_bf16",
-               "gloo_powersgd", "xirang_fp16", "xirang_hook_fp16", "xirang_hook_int8"]
+               "gloo_powersgd", "xirang_powersgd", "xirang_fp16", "xirang_hook_fp16", "xirang_hook_int8"]
 # The hook configs and their wire format (register_comm_hook(wire=...)).
 HOOK_WIRE = {"xirang_hook": "bf16", "xirang_hook_late": "bf16", "xirang_hook_bc": "bf16", "xirang_hook_fp16": "fp16", "xirang_hook_int8": "int8"}
 DESCR = {
@@ -102,6 +104,7 @@ DESCR = {
     "gloo_fp16": "gloo + torch fp16_compress_hook",
     "gloo_bf16": "gloo + torch bf16_compress_hook",
     "gloo_powersgd": "gloo + torch powerSGD_hook rank 4",
+    "xirang_powersgd": "xirang + torch powerSGD_hook rank 4",
     "xirang_fp16": "xirang + torch fp16_compress_hook",
     "xirang_hook_fp16": "xirang + fp16 (scaled) EF hook, 8 layers/group",
     "xirang_hook_int8": "xirang + int8 (scaled) EF hook, 8 layers/group",
@@ -239,7 +242,7 @@ class Config:
         sweep = sweep_size(name)
         if name == "xirang_hook_bc" or sweep is not None:
             kw["bucket_cap_mb"] = cfg["hook_bucket_cap_mb"]
-        if name == "gloo_powersgd" and cfg["powersgd_bucket_cap_mb"] > 0:
+        if name in ("gloo_powersgd", "xirang_powersgd") and cfg["powersgd_bucket_cap_mb"] > 0:
             # explicit cap: no small first bucket, one bucket for the whole model (see --help)
             kw["bucket_cap_mb"] = cfg["powersgd_bucket_cap_mb"]
         self.ddp = DDP(model, process_group=None if backend == "xirang" else self.pg, **kw)
@@ -264,7 +267,7 @@ class Config:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             self.ddp.register_comm_hook(self.pg, default_hooks.bf16_compress_hook)
-        elif name == "gloo_powersgd":
+        elif name in ("gloo_powersgd", "xirang_powersgd"):
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
             self.psgd = ps.PowerSGDState(process_group=self.pg, matrix_approximation_rank=4,
@@ -603,15 +606,10 @@ def sweep_table(rows: list) -> str:
             if sweep_size(r["config"]) == "auto" and a:
                 pred = a.get("predicted_exposed_comm_s")
                 meas = a.get("measured_exposed_comm_s")
-                preds = a.get("predictions_s") or {}
-                out.append(f"auto (rank 0): chose {a.get('layers_per_group')}; alpha {1e6 * (a.get('alpha_s') or 0):.1f} us"
-                           f"/op, beta {a.get('beta_s_per_byte') or 0:.3g} s/B ({a.get('source')}), contention "
-                           f"{a.get('contention') or 0:.2f} (by calibrated size {a.get('contention_by_size')}), tail "
-                           f"{1e6 * (a.get('tail_s') or 0):.0f} us + {a.get('tail_s_per_byte') or 0:.3g} s/B, slowdown {a.get('slowdown') or 1:.2f}; predicted exposed "
+                out.append(f"auto (rank 0): chose {a.get('layers_per_group')}; predicted exposed "
                            f"{1e3 * pred if pred is not None else float('nan'):.3f} ms, hook-measured "
                            f"{1e3 * meas if meas is not None else float('nan'):.3f} ms")
-                out.append("  predicted exposed ms by layers/group: "
-                           + ", ".join(f"{g}: {1e3 * v:.2f}" for g, v in sorted(preds.items())))
+                out.append("  model: " + auto_model(a))
     return "\n".join(out)
 
 

@@ -55,7 +55,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "cluster"))
 sys.path.insert(0, HERE)
-from _ranks import auto_warmup  # noqa: E402
+from _ranks import auto_model, auto_warmup  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 METHODS = ("rank-ring", "topo-ring", "two-level", "gloo")
@@ -568,13 +568,7 @@ def report(res, a, setup, ws, hosts, elapsed, load0, load1) -> None:
                      + (f"{me * 1e3:.0f} ms" if me is not None else "-") + ")")
         ag = r.get("autogroup") or {}
         if ag.get("predictions_s"):
-            beta = ag.get("beta_s_per_byte")
-            pred = ", ".join(f"{k}: {v * 1e3:.0f}" for k, v in sorted(ag["predictions_s"].items(), key=lambda kv: int(kv[0])))
-            lines.append(f"# auto's model (rank 0): alpha {1e6 * (ag.get('alpha_s') or 0):.0f} us/op, "
-                         f"{(1e-6 / beta) if beta else float('nan'):.1f} MB/s, contention {ag.get('contention')} "
-                         f"(by calibrated size {ag.get('contention_by_size')}), tail {1e6 * (ag.get('tail_s') or 0):.0f} us + "
-                         f"{ag.get('tail_s_per_byte') or 0:.3g} s/B, "
-                         f"slowdown {ag.get('slowdown')}; predicted exposed ms by size: {pred}")
+            lines.append("# auto's model (rank 0): " + auto_model(ag))
     reps = {r["size"]: r["reps"] for r in res["rows"] if r["kind"] == "allreduce"}
     lines.append("# median of repetitions (" + ", ".join(f"{fmt_size(s)}: {n}" for s, n in reps.items())
                  + f"; DDP: {a.ddp_steps} steps) of the slowest rank's time; xrack MB = bytes_cross_rack "
