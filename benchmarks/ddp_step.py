@@ -268,6 +268,7 @@ class Config:
 
             self.ddp.register_comm_hook(self.pg, default_hooks.bf16_compress_hook)
         elif name in ("gloo_powersgd", "xirang_powersgd"):
+            self.wire_kind = "measured" if name == "xirang_powersgd" else "computed"
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
             self.psgd = ps.PowerSGDState(process_group=self.pg, matrix_approximation_rank=4,
