@@ -293,6 +293,8 @@ def sc_direct(rank, ws, hooks, out, cfg):
     sum_x = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     sum_y = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     for step in range(cfg["steps"]):
+        if step in cfg.get("local_average_at", {}):  # switched between steps
+            state.local_average = cfg["local_average_at"][step]
         xs = make_inputs(cfg, step, rank, shapes)
         skip = unused_i if step in unused_steps else None
         if skip is not None:
@@ -311,6 +313,7 @@ def sc_direct(rank, ws, hooks, out, cfg):
             "res": {k: v.clone() for k, v in state.residuals.items()} if keep else None,
             "y_hash": [hash_t(y) if y is not None else None for y in ys],
             "ready_hooks": sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()),
+            "path": state.stats()["totals"]["path"] if cfg.get("local_average_at") else None,
         })
         model.zero_grad(set_to_none=cfg.get("set_to_none", True))
     rec["sum_x"], rec["sum_y"] = sum_x, sum_y

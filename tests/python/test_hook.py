@@ -744,6 +744,26 @@ def test_one_host_averages_buckets_in_place(ws):
 
 
 @needs_real
+def test_one_host_path_follows_local_average_each_step():
+    """local_average switched between steps takes effect at the next step, also once early launch
+    opens the groups path's steps (from DDP's 4th synced step on, before any bucket call): groups
+    -> local -> groups; each step's average exact (fp64 reference) and bitwise equal on all ranks,
+    the readiness hooks registered only while steps take the groups path."""
+    sw = {6: True, 9: False}
+    recs = _run("direct", 2, kind="xirang", shapes=LOCAL_SHAPES, steps=12, lpg=1, transport="auto",
+                state_kw={"local_average": False}, local_average_at=sw)
+    want = ["groups"] * 6 + ["local"] * 3 + ["groups"] * 3
+    for rec in recs:
+        assert [s["path"] for s in rec["steps"]] == want
+        assert [s["ready_hooks"] for s in rec["steps"]] == [0 if p == "local" else len(LOCAL_SHAPES) for p in want]
+        for step in range(12):
+            for i in range(len(LOCAL_SHAPES)):
+                y = rec["steps"][step]["y"][i]
+                assert torch.equal(y, recs[0]["steps"][step]["y"][i]), (step, i)
+                assert _close_fp32(y, _fp64_average(recs, step, i)), (step, i)
+
+
+@needs_real
 @pytest.mark.parametrize("bad", [None, (0, 1)], ids=["finite", "inf_first_step"])
 def test_one_host_folds_restored_residuals_once(bad):
     """Residuals restored into a one-host run are owed to the sum: the first finite step gives

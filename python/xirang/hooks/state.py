@@ -164,7 +164,9 @@ class BF16ErrorFeedbackState(Checkpointing):
             finite (a parameter unused on every rank keeps its residual for a later step).
             Records and profiler ranges then carry DDP's bucket index as ``group_id``
             and a ``bucket <k>:`` label; ``stats()["totals"]["path"]`` says ``"local"``. The
-            path is chosen at each step's first hook call. ``False``: always layer groups.
+            path is chosen at each step's first hook call or early-launch mark, whichever comes
+            first (so a change of this setting, or of the group's hosts, takes effect at the next
+            step). Every rank must pass the same value. ``False``: always layer groups.
             On this path ``layers_per_group="auto"`` calibrates nothing (there is no group to
             size; an INFO line says so), and ``skipped_steps`` counts only non-finite steps
             that had folded residuals to keep (nothing else is committed; no finiteness pass
@@ -535,6 +537,9 @@ class BF16ErrorFeedbackState(Checkpointing):
             return
         t0 = time.perf_counter()
         if step is None:
+            if self._all_local():  # this step takes the local path: its first bucket call opens it
+                self._local = True  # (and drops these hooks: not from inside one of them)
+                return
             step = self._new_step(t0)
             t0 = step.t_first
         if pid in step.arrived_ids:
