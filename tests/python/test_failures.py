@@ -299,6 +299,49 @@ def _run_store_script(tmp_path, name, text, args, env, timeout):
                           capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
 
 
+_LATE_AFTER_STORE_HOST_LEFT = r"""
+import datetime, os, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+
+def run(rank, port):
+    import xirang  # noqa: F401
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("xirang", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=3))
+    if rank == 1:
+        time.sleep(8)  # rank 0 times out waiting for this rank, and exits with the store it hosts
+    try:
+        dist.all_reduce(torch.ones(16))
+        err = None
+    except RuntimeError as e:
+        err = str(e)
+    print(f"rank {rank} error: {err!r}", flush=True)
+    if rank == 0:
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    ctx = mp.spawn(run, args=(int(sys.argv[1]),), nprocs=2, join=False)
+    for p in ctx.processes:
+        p.join(90)
+"""
+
+
+def test_a_late_rank_after_the_store_host_left_is_told_so(tmp_path):
+    """TCP: rank 0 (the store's host) times out waiting for rank 1 and exits; rank 1's first
+    collective, long after, cannot reach the store to find rank 0's address: it raises that the
+    store is unreachable and that its host may have exited (found by a reviewer: it raised torch's
+    bare "Failed to recv, got 0 bytes"), not a timeout and no hang."""
+    p = _run_store_script(tmp_path, "late_rank.py", _LATE_AFTER_STORE_HOST_LEFT, [],
+                          {"XIRANG_TRANSPORT_LOCAL": "tcp"}, timeout=120)
+    out = p.stdout + p.stderr
+    lines = {r: next((x for x in out.splitlines() if x.startswith(f"rank {r} error: ")), None) for r in (0, 1)}
+    assert lines[0] is not None and "timed out" in lines[0] and "rank 1" in lines[0], out[-4000:]
+    assert lines[1] is not None and "xirang rank 1: all_reduce" in lines[1], out[-4000:]
+    assert "the store is unreachable" in lines[1] and "may have exited" in lines[1], lines[1]
+    assert "frame #" not in lines[1], lines[1]
+
+
 @pytest.mark.parametrize("local,subgroup", [("auto", False), ("tcp", False), ("tcp", True)])
 def test_destroy_after_the_store_host_exited_is_quiet(tmp_path, local, subgroup):
     """A rank destroying its group after the rank that hosted the store exited writes no exit note

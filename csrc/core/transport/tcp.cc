@@ -39,6 +39,12 @@ uint64_t fromHex64(const std::string& s) {
 
 constexpr auto kProbeEvery = std::chrono::milliseconds(500);
 
+// What a failed store call (the process hosting the store has exited, most often) says.
+std::string storeUnreachable(const std::exception& e) {
+  return std::string("the store is unreachable (") + e.what() +
+         "): the process hosting it (MASTER_ADDR:MASTER_PORT; under torchrun's env:// rendezvous, rank 0) may have exited";
+}
+
 }  // namespace
 
 Tcp::Tcp(int rank, int size, std::shared_ptr<Store> store, TcpOptions opts, Deadline deadline)
@@ -183,7 +189,7 @@ void Tcp::checkStoreAbort(int peer) {
   try {
     aborted = store_->check(key);
   } catch (const std::exception& e) {
-    throw TransportError(std::string("the store is unreachable (") + e.what() + ")", peer);
+    throw TransportError(storeUnreachable(e), peer);
   }
   if (aborted) {
     std::string why = store_->get(key, Clock::now() + std::chrono::seconds(5));
@@ -225,7 +231,7 @@ std::string Tcp::peerGone(int peer) {
     else if (probe && store_->check(pre + "/addr/" + std::to_string(peer)))
       addr = store_->get(pre + "/addr/" + std::to_string(peer), now + std::chrono::seconds(5));
   } catch (const std::exception& e) {
-    return std::string("the store is unreachable (") + e.what() + ")";
+    return storeUnreachable(e);
   }
   if (why.empty() && out_fd >= 0) why = who + " closed its connection to this rank (its process exited or left the group)";
   if (why.empty() && !addr.empty()) {
@@ -289,13 +295,20 @@ int Tcp::clientConnect(int peer, Deadline deadline, Channel channel) {
   const std::string addr_key = opts_.key_prefix + "/addr/" + std::to_string(peer);
   // Poll rather than block in the store until the deadline: an abort or interrupt must end the
   // wait for a peer that will never publish its address.
-  while (!store_->check(addr_key)) {
+  auto fromStore = [&](auto&& f) {
+    try {
+      return f();
+    } catch (const std::exception& e) {
+      throw TransportError(storeUnreachable(e), peer);
+    }
+  };
+  while (!fromStore([&] { return store_->check(addr_key); })) {
     checkStoreAbort(peer);
     if (Clock::now() >= deadline)
       throw TimeoutError("rank " + std::to_string(peer) + " never published its address", peer);
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  std::string addr = store_->get(addr_key, deadline);
+  std::string addr = fromStore([&] { return store_->get(addr_key, deadline); });
   int fd = connectTo(addr, deadline, peer, [this, peer] { checkStoreAbort(peer); });
   setNonBlocking(fd, true);
   Deadline hs = std::min(deadline, Clock::now() + opts_.handshake_timeout);
