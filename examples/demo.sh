@@ -31,6 +31,7 @@ nproc_per_node="${NPROC:-2}"
 # otherwise (XIRANG_TRANSPORT_LOCAL=auto bash examples/demo.sh: same-host shared memory).
 export XIRANG_TRANSPORT_LOCAL="${XIRANG_TRANSPORT_LOCAL:-tcp}"
 echo "demo: XIRANG_TRANSPORT_LOCAL=$XIRANG_TRANSPORT_LOCAL" >&2
-echo "demo: $PY -m torch.distributed.run --nproc_per_node=$nproc_per_node benchmarks/train_compare.py $*" >&2
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$nproc_per_node" \
-    benchmarks/train_compare.py --summary build/demo-summary.json "$@"
+cmd=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$nproc_per_node"
+     benchmarks/train_compare.py --summary build/demo-summary.json "$@")
+echo "demo: ${cmd[*]}" >&2
+exec "${cmd[@]}"

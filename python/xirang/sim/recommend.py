@@ -41,7 +41,7 @@ def recommend(a) -> dict:
         pays = [o for o in OPTS if row["leave_one_out_pct"][o] > 1.0]
         row["pays"] = pays
         row["verdict"] = ("confirm" if runs[pub]["step_s"] <= runs[best]["step_s"] * 1.02
-                          else f"correct: +{100 * (runs[pub]['step_s'] / runs[best]['step_s'] - 1):.0f}% slower than best")
+                          else f"published set {100 * (runs[pub]['step_s'] / runs[best]['step_s'] - 1):.0f}% slower than the best")
         out.append(row)
     if first is None:
         raise SettingsError(f"--recommend: no scale in {scales[0]}..{scales[-1]} GPUs fits (tp x pp = {a.tp} x {a.pp}, "
