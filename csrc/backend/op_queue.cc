@@ -141,7 +141,7 @@ c10::intrusive_ptr<WorkXirang> OpQueue::enqueue(OpSpec spec, std::shared_ptr<OpS
   op.rec.on_caller = true;
   {
     WaitClock::Timer timer(work->wait_clock_.get());  // the caller blocks in the op itself: its exposed wait
-    execute(op, first_error);
+    op.work->complete(execute(op, first_error));
   }
   bool queued;
   {
@@ -191,7 +191,7 @@ std::exception_ptr OpQueue::run(Op& op, Phases* ph) {
   }
 }
 
-void OpQueue::execute(Op& op, const std::string& first_error) {
+std::exception_ptr OpQueue::execute(Op& op, const std::string& first_error) {
   Clock::time_point start;
   if (records_.on()) start = Clock::now();
   Phases ph;
@@ -199,7 +199,7 @@ void OpQueue::execute(Op& op, const std::string& first_error) {
                                                  : std::make_exception_ptr(std::runtime_error(first_error));
   if (records_.on())
     records_.finish(std::move(op.rec), ph, error == nullptr, op.raw_per_wire, op.enqueued, start, op.rec_ns);
-  op.work->complete(error);
+  return error;
 }
 
 void OpQueue::runLoop() {
@@ -229,10 +229,15 @@ void OpQueue::runLoop() {
       first_error = poison_;
       busy_ = true;
     }
-    if (op.work) execute(op, first_error);
+    std::exception_ptr error;
+    if (op.work) error = execute(op, first_error);
     else membership_.recoverIdle();
-    std::lock_guard<std::mutex> g(mu_);
-    busy_ = false;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      busy_ = false;
+    }
+    // Idle before the caller wakes: its next small synchronous op may then run on its own thread.
+    if (op.work) op.work->complete(error);
   }
 }
 

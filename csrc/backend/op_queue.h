@@ -121,9 +121,10 @@ class OpQueue {
   void runLoop();
   // Runs `op` and returns its error (null: success).
   std::exception_ptr run(Op& op, Phases* ph);
-  // run() with its record, then completes the Work; `first_error`: the group's poison when the
-  // op was taken (the op fails with it instead of running).
-  void execute(Op& op, const std::string& first_error);
+  // run() with its record; returns the error the caller completes op.work with (the
+  // communication thread does so once it is idle again). `first_error`: the group's poison when
+  // the op was taken (the op fails with it instead of running).
+  std::exception_ptr execute(Op& op, const std::string& first_error);
 
   const int rank_;
   const XirangConfig& cfg_;
