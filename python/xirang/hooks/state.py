@@ -327,9 +327,7 @@ class BF16ErrorFeedbackState(Checkpointing):
             process_group = ddp.process_group
         self.process_group = process_group
         check_sparse(root, ddp)
-        for h in self._ready_handles:
-            h.remove()
-        self._ready_handles = []
+        self._ready_hooks(False)
         if self._fwd_handle is not None:
             self._fwd_handle.remove()
             self._fwd_handle = None
@@ -341,7 +339,6 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._build_groups(root, ddp)
         if ddp is not None and (self.measure_readiness or self._ddp_index is not None):
             self._fwd_handle = ddp.register_forward_hook(_ArmEarly(self))
-        self._ready_on = False
         self._ready_hooks(True)
         self._backend = None
         if dist.is_available() and dist.is_initialized():
