@@ -74,6 +74,7 @@ BACKEND_SOURCES = [
     "csrc/backend/completions.cc",
     "csrc/backend/device_engine.cc",
     "csrc/backend/elastic.cc",
+    "csrc/backend/elastic_spares.cc",
     "csrc/backend/host_engine.cc",
     "csrc/backend/op_queue.cc",
     "csrc/backend/p2p.cc",

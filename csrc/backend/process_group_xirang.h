@@ -6,12 +6,14 @@
 //   host_engine.h    the ops' bodies on host tensors (the core's algorithms)
 //   op_queue.h       the communication thread: ordering, deadlines, poisoning, completion
 //   elastic.h        membership: the transport and ring per epoch, elastic recovery, spares
+//                    (elastic.cc; the spares' joining in elastic_spares.cc)
 //   p2p.h            point-to-point, posted to the transport's own engine
 //   work.h           the Work of an op and of a coalesced batch
 //   completions.h    the threads that complete Works whose Future is held (callbacks off the comm thread)
 //   records.h        operation records and their JSON lines
 //   tensors.h        dtype / reduce-op mapping and input checks
 //   config.h         what the group is created with, and the algorithms' configuration from it
+//   store_adapter.h  torch's c10d::Store as the core's store
 #pragma once
 
 #include <chrono>
