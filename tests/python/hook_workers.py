@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib.util
+import logging
 import os
 import sys
 import time
@@ -280,9 +281,16 @@ def sc_direct(rank, ws, hooks, out, cfg):
     unused_i, unused_steps = cfg.get("unused", (None, ()))
     ddp = DDP(model, bucket_cap_mb=cfg.get("bucket_cap_mb"), find_unused_parameters=unused_i is not None,
               gradient_as_bucket_view=cfg.get("gabv", False))
-    state = hooks.register_comm_hook(ddp, layers_per_group=cfg.get("lpg", 8),
-                                     **cfg.get("state_kw", {}))
-    rec = {"steps": []}
+    coarse = []  # the layer finder's "too coarse" WARNINGs at registration (Direct's one layer)
+    handler = logging.Handler()
+    handler.emit = lambda r: coarse.append(r) if "default layer finder" in r.getMessage() else None
+    logging.getLogger("xirang").addHandler(handler)
+    try:
+        state = hooks.register_comm_hook(ddp, layers_per_group=cfg.get("lpg", 8),
+                                         **cfg.get("state_kw", {}))
+    finally:
+        logging.getLogger("xirang").removeHandler(handler)
+    rec = {"steps": [], "coarse_warned": bool(coarse)}
     if cfg.get("init_residuals"):  # this rank's residuals before step 0, through load_state_dict
         g = torch.Generator().manual_seed(101 + rank)
         sd = state.state_dict()
@@ -290,6 +298,9 @@ def sc_direct(rank, ws, hooks, out, cfg):
                            for n, p in model.named_parameters() if n in {c for gr in state.groups for c in gr["compressed"]}}
         state.load_state_dict(sd)
         rec["r0"] = {k: v.clone() for k, v in state.residuals.items()}
+    if "local_average_by_rank" in cfg:  # ranks that disagree (an error case)
+        state.local_average = cfg["local_average_by_rank"][rank]
+    rec["path0"] = state.stats()["totals"]["path"]  # before the first step: the path it will take
     sum_x = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     sum_y = [torch.zeros(s, dtype=torch.float64) for s in shapes]
     for step in range(cfg["steps"]):

@@ -723,6 +723,9 @@ def test_one_host_averages_buckets_in_place(ws):
                transport="auto", state_kw={"local_average": False})
     for rec, g in zip(recs, grp):
         assert rec["stats"]["totals"]["path"] == "local" and g["stats"]["totals"]["path"] == "groups"
+        assert rec["path0"] == "local" and g["path0"] == "groups"  # stats() before the first step
+        # Direct's one layer is too coarse for groups: said only where the groups are used
+        assert not rec["coarse_warned"] and g["coarse_warned"]
         assert all(gr["launches_per_step"] == 0 for gr in rec["stats"]["groups"])
         ops = [r for r in rec["records"] if r["op"].startswith("allreduce_") and r["op"].endswith("_ef")]
         assert ops and all(r["label"].startswith("bucket ") and r["bytes_shm"] > 0 and r["bytes_tcp"] == 0
@@ -761,6 +764,18 @@ def test_one_host_path_follows_local_average_each_step():
                 y = rec["steps"][step]["y"][i]
                 assert torch.equal(y, recs[0]["steps"][step]["y"][i]), (step, i)
                 assert _close_fp32(y, _fp64_average(recs, step, i)), (step, i)
+
+
+@needs_real
+def test_ranks_that_disagree_on_local_average_are_told_so(tmp_path):
+    """One rank averages DDP's buckets in place, the other runs the layer groups: their operations
+    do not match, and each rank's error names the mismatch and the hook's local_average setting."""
+    with pytest.raises(Exception):
+        hw.run_ranks("direct", 2, str(tmp_path), kind="xirang", timeout=120, shapes=LOCAL_SHAPES, steps=2, lpg=1,
+                     transport="auto", local_average_by_rank={0: True, 1: False})
+    for rank, setting in ((0, True), (1, False)):
+        err = (tmp_path / f"error{rank}.txt").read_text()
+        assert "mismatch" in err.lower() and f"local_average={setting}" in err, err
 
 
 @needs_real

@@ -65,6 +65,12 @@ def _backend_for(process_group: Optional[dist.ProcessGroup]) -> Any:
     return backend_for(process_group)
 
 
+def _one_host(backend: Any) -> bool:
+    """The group's live ranks (more than one) are all in this rank's shared-memory domain."""
+    ring = backend.ring
+    return len(ring) > 1 and set(backend.shm_ranks) >= set(ring)
+
+
 class _GroupStep:
     """One group's progress within one synced step."""
 
@@ -336,7 +342,13 @@ class BF16ErrorFeedbackState(Checkpointing):
         self._ddp = ddp
         self._unsettled = None
         self._ddp_index = _used_map_index(ddp)
-        self._build_groups(root, ddp)
+        one_host = False  # then the groups serve no step: no warning about their cut
+        if self.local_average and dist.is_available() and dist.is_initialized():
+            try:
+                one_host = _one_host(_backend_for(process_group))
+            except (TypeError, ImportError):
+                pass  # _resolve_backend below raises it
+        self._build_groups(root, ddp, warn=not one_host)
         if ddp is not None and (self.measure_readiness or self._ddp_index is not None):
             self._fwd_handle = ddp.register_forward_hook(_ArmEarly(self))
         self._ready_hooks(True)
@@ -685,10 +697,7 @@ class BF16ErrorFeedbackState(Checkpointing):
     def _all_local(self) -> bool:
         """``local_average`` applies: the group's live ranks (more than one) are all in this rank's
         shared-memory domain, where the group operation is the exact fp32 average."""
-        if not self.local_average or self._backend is None:
-            return False
-        ring = self._backend.ring
-        return len(ring) > 1 and set(self._backend.shm_ranks) >= set(ring)
+        return self.local_average and self._backend is not None and _one_host(self._backend)
 
     def _on_bucket_local(self, bucket: dist.GradBucket, t0: float) -> torch.futures.Future:
         """One backend operation averaging ``bucket.buffer()`` in place (see ``local_average``);
@@ -733,7 +742,10 @@ class BF16ErrorFeedbackState(Checkpointing):
         return fut
 
     def _finish_local(self, f: torch.futures.Future, buf: torch.Tensor, step: Optional[_Step]) -> torch.Tensor:
-        f.value()  # re-raises the operation's error
+        try:
+            f.value()  # re-raises the operation's error
+        except RuntimeError as e:
+            raise self._hinted(e) from e
         if step is None:
             return buf
         if step.folded:  # the folded residuals are owed no more once the step's output is finite
@@ -801,9 +813,19 @@ class BF16ErrorFeedbackState(Checkpointing):
             g.comm_s = gs.t_done - gs.t_launch
             g.sum_comm_s += g.comm_s
         except BaseException as e:  # noqa: BLE001  (handed to the futures DDP waits on)
-            gs.done.set_exception(e)
+            gs.done.set_exception(self._hinted(e) if isinstance(e, RuntimeError) else e)
             return
         gs.done.set_result(True)
+
+    def _hinted(self, e: RuntimeError) -> RuntimeError:
+        """``e``, or when the ranks' operations did not match, ``e`` with the likely cause named:
+        ranks that pass different ``local_average`` (or ``wire``) run different operations."""
+        msg = str(e)
+        if "mismatch" not in msg.lower():
+            return e
+        return RuntimeError(f"{msg} (the hook's settings on this rank: local_average={self.local_average}, "
+                            f"wire={self.wire!r}, this step's path: {'local' if self._local else 'groups'}; every rank "
+                            "must pass the same local_average, wire and layers)")
 
     def _finish_bucket(self, f, buf: torch.Tensor, parts, step: Optional[_Step]) -> torch.Tensor:
         for x in f.value():
@@ -1040,8 +1062,10 @@ class BF16ErrorFeedbackState(Checkpointing):
         out = hook_stats(self._groups, self.world_size or 1, self._exposed_s, self._sum_exposed_s, self.steps,
                          self.skipped_steps, WIRE_BYTES[self.wire])
         tot = out["totals"]
-        tot["path"] = "local" if self._local else "groups"
-        if self._local:
+        # Before the first step: the path that step will take.
+        local = self._local if self.steps or self.skipped_steps else self._all_local()
+        tot["path"] = "local" if local else "groups"
+        if local:
             n = len(self._backend.ring)
             tot["launches_per_step"] = tot["collectives_per_step"] = self._local_last[0]
             tot["bytes_raw_per_step"] = tot["bytes_wire_per_step"] = self._local_last[1] * 2.0 * (n - 1) / n
