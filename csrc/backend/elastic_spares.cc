@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/host_engine.h"
 #include "backend/tensors.h"
 #include "core/env.h"
 
@@ -22,6 +23,10 @@ constexpr const char* kGone = "gone";
 
 void Membership::admit(OpCtx& ctx, int64_t expect, double wait_s) {
   if (size_ <= 1) return;
+  // First a barrier over the live ranks, whose headers carry this op (admit_joiners): a rank
+  // that issued another collective here gets a MismatchError now, on every rank, instead of
+  // the next op's sequence mismatch (or an op timeout read as a lost rank).
+  host::barrier(comm_, ctx);
   const int lowest = live_.front();
   const std::string key = elastic::admitKey(prefix_, ctx.seq);
   if (rank_ == lowest) {

@@ -154,8 +154,10 @@ class ProcessGroupXirang : public c10d::Backend {
   // waiting to take dead ranks' places, if at least `expect` are waiting (the lowest live rank
   // waits up to wait_s seconds for them; fewer: none is admitted this time, so a DDP rebuild,
   // which needs every rank, can wait for a full group). The ring grows back (a new epoch) if
-  // any joined; membership() then names the source rank of the training state. Errors:
-  // MembershipChanged if a rank fails meanwhile; c10::Error without elastic mode.
+  // any joined; membership() then names the source rank of the training state. It starts with a
+  // barrier over the live ranks. Errors: MembershipChanged if a rank fails meanwhile; a
+  // mismatch error on every rank when a rank issued another collective instead; c10::Error
+  // without elastic mode.
   c10::intrusive_ptr<c10d::Work> admitJoiners(int64_t expect, double wait_s);
   // fn runs on the communication thread after every rebuild (before the next op runs).
   void setMembershipCallback(std::function<void()> fn) { membership_->setCallback(std::move(fn)); }

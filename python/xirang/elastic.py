@@ -52,7 +52,8 @@ def admit_joiners(expect: int = 0, wait_s: float = 0.0, process_group=None) -> L
     trainer that rebuilds DDP passes the number of dead ranks. When ranks join, the ring grows
     back (a new epoch) and every rank, spares included, must then call
     :func:`sync_training_state` and build a new DDP wrapper. Raises MembershipChanged if a rank
-    fails meanwhile, RuntimeError without elastic mode.
+    fails meanwhile; RuntimeError without elastic mode, or (on every rank, at once) when a rank
+    issued another collective instead (it starts with a barrier over the live ranks).
     """
     be = backend_for(process_group)
     before = set(be.membership()["live"])

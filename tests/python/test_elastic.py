@@ -700,6 +700,34 @@ def test_mismatch_fails_every_rank_in_elastic_mode():
         assert res[r]["elapsed"] < 10.0
 
 
+def w_admit_beside_an_allreduce():
+    """Rank 0 calls admit_joiners where the others call all_reduce (a program's bug)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    try:
+        if dist.get_rank() == 0:
+            _xirang().admit_joiners()
+        else:
+            dist.all_reduce(torch.ones(4))
+        return dict(err=None)
+    except Exception as e:  # noqa: BLE001
+        return dict(err=mp_pool.exc_info(e), elapsed=time.perf_counter() - t0)
+
+
+def test_admit_joiners_beside_another_collective_fails_every_rank_at_once():
+    """admit_joiners is a collective: a rank that issued another op there gets the mismatch at
+    once, naming both ops (before: reported at the next op, or read as a lost rank at the op
+    timeout)."""
+    with mp_pool.Pool(3, "xirang", timeout_s=60, env=dict(XIRANG_ELASTIC="1")) as pool:
+        res = pool.run(w_admit_beside_an_allreduce, timeout=60)
+    for r in range(3):
+        e = res[r]["err"]
+        assert e is not None, f"rank {r} did not raise"
+        assert not e.isinstance_of("MembershipChanged"), f"rank {r}: {e}"
+        assert "mismatch" in str(e) and "admit" in str(e), f"rank {r}: {e}"
+        assert res[r]["elapsed"] < 10.0
+
+
 def test_on_membership_change_takes_a_callable():
     """Found by a new user: a non-callable was taken, to fail later as an unraisable exception."""
     with pytest.raises(TypeError, match="fn must be callable or None, got int"):
