@@ -142,8 +142,9 @@ class XirangReduceScatter(_ReduceScatterBase):
     Made by :func:`compress`; FSDP calls ``allocate`` and ``__call__``.
 
     Attributes:
-        name: the FSDP module(s) of the group, by fully qualified name (``+``-joined for the list
-            form ``fully_shard([a, b])``; ``<root>`` for the root).
+        name: the FSDP module(s) of the group, by fully qualified name relative to the module
+            given to :func:`compress` (``+``-joined for the list form ``fully_shard([a, b])``;
+            ``<root>`` for that module itself, the model's root or the submodule passed).
         wire: ``"bf16"``, ``"int8"`` (per-segment scales) or ``"fp32"`` (no compression: the
             input's own dtype on the wire).
         error_feedback: whether residuals are kept (``wire="bf16"`` or ``"int8"``).
