@@ -34,4 +34,7 @@ echo "demo: XIRANG_TRANSPORT_LOCAL=$XIRANG_TRANSPORT_LOCAL" >&2
 cmd=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$nproc_per_node"
      benchmarks/train_compare.py --summary build/demo-summary.json "$@")
 echo "demo: ${cmd[*]}" >&2
+if [[ "$PY" == "$XIRANG_ROOT/.venv/"* ]]; then
+    echo "demo: the set-up uses .venv/ (no torch in the system python3): run 'source .venv/bin/activate' before the README's other commands" >&2
+fi
 exec "${cmd[@]}"

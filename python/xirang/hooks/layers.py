@@ -93,8 +93,9 @@ def warn_if_coarse(layer_list: List[nn.Module], layer_params: List[List[nn.Param
         example = f"layers_per_group={max(1, len(layer_list) // 4)}"
     else:
         example = "layers=[block_1, block_2, ...]"
+    note = (" (model = the module DDP wraps; parameters in no listed layer form one last group)"
+            if example.startswith("layers=") else "")
     logging.getLogger("xirang").warning(
         "xirang hook: the default layer finder gave %s, so little or no communication overlaps "
-        "backward. Pass the layers or the group size yourself, e.g. register_comm_hook(ddp, %s) "
-        "(model = the module DDP wraps; parameters in no listed layer form one last group).",
-        "; ".join(why), example)
+        "backward. Pass the layers or the group size yourself, e.g. register_comm_hook(ddp, %s)%s.",
+        "; ".join(why), example, note)

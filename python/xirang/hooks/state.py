@@ -1011,14 +1011,15 @@ class BF16ErrorFeedbackState(Checkpointing):
         a.contention_by_size, a.tail = dict(m["contention_by_size"]), m["tail"]
         cands = ", ".join(f"{k}: {v * 1e3:.3f}" for k, v in sorted(m["predictions"].items()))
         who = "rank 0's choice" if g == mine else f"rank 0's choice; this rank's was {mine}"
+        me = dist.get_rank(pg) if (self.world_size or 1) > 1 else 0
         n_ops = sum(len(s.ops) for s in a.samples)
         exposed_cal = statistics.median([s.exposed_s for s in a.samples])
         log.info("xirang hook: layers_per_group='auto' chose %d layers per group (%s; predicted exposed "
-                 "communication %.3f ms; fit over %d operations of %d steps (%s): alpha %.1f us per "
+                 "communication %.3f ms, rank 0's; rank %d's fit over %d operations of %d steps (%s): alpha %.1f us per "
                  "operation, beta %.3g s/B, contention %.2f (by calibrated size: %s), slowdown beside backward "
                  "%.2f; tail after the last operation %.1f us + %.3g s/B; measured "
                  "exposed at calibration %.3f ms). "
-                 "Predicted exposed ms by layers per group: %s", g, who, pred * 1e3, n_ops, len(a.samples),
+                 "Predicted exposed ms by layers per group: %s", g, who, pred * 1e3, me, n_ops, len(a.samples),
                  a.source, m["alpha"] * 1e6, m["beta"], a.contention,
                  ", ".join(f"{k}: {v:.2f}" for k, v in sorted(m["contention_by_size"].items())), m["slowdown"],
                  m["tail"][0] * 1e6, m["tail"][1], exposed_cal * 1e3,
