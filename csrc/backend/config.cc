@@ -8,7 +8,6 @@
 #include <mutex>
 #include <stdexcept>
 
-#include "backend/op_queue.h"
 #include "backend/records.h"
 #include "core/codec.h"
 #include "core/env.h"
@@ -18,6 +17,13 @@
 #include "core/transport/socket.h"
 
 namespace xirang {
+
+std::chrono::microseconds spinKnob() {
+  const int64_t spin = env::getInt("XIRANG_SPIN_US");
+  if (spin < 0 || spin > 10000)
+    throw std::invalid_argument("xirang: XIRANG_SPIN_US=" + std::to_string(spin) + " must be 0 to 10000 microseconds");
+  return std::chrono::microseconds(spin);
+}
 
 Comm configure(int rank, int size, const XirangConfig& cfg, std::string& algo) {
   Comm comm;

@@ -45,4 +45,9 @@ Comm configure(int rank, int size, const XirangConfig& cfg, std::string& algo);
 // Throws std::invalid_argument naming the knob and the value.
 void checkSettings(const std::string& algorithm);
 
+// XIRANG_SPIN_US, checked: how long the communication thread polls for the next operation and
+// Work.wait() for its operation's end before they sleep (0 to 10000 us). Throws
+// std::invalid_argument naming the knob otherwise.
+std::chrono::microseconds spinKnob();
+
 }  // namespace xirang

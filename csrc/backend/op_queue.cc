@@ -23,13 +23,6 @@ OpQueue::OpQueue(int rank, const XirangConfig& cfg, Membership& membership, Reco
   }
 }
 
-std::chrono::microseconds spinKnob() {
-  const int64_t spin = env::getInt("XIRANG_SPIN_US");
-  if (spin < 0 || spin > 10000)
-    throw std::invalid_argument("xirang: XIRANG_SPIN_US=" + std::to_string(spin) + " must be 0 to 10000 microseconds");
-  return std::chrono::microseconds(spin);
-}
-
 OpQueue::~OpQueue() { stop(); }
 
 void OpQueue::start() {

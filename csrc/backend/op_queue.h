@@ -70,11 +70,6 @@ struct Op {
   uint64_t raw_per_wire = 1;  // what fp32 / the own dtype would send per byte sent (records' bytes_raw)
 };
 
-// XIRANG_SPIN_US, checked: how long the communication thread polls for the next operation and
-// Work.wait() for its operation's end before they sleep (0 to 10000 us). Throws
-// std::invalid_argument naming the knob otherwise.
-std::chrono::microseconds spinKnob();
-
 class OpQueue {
  public:
   OpQueue(int rank, const XirangConfig& cfg, Membership& membership, Records& records);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/store.h"
+#include "core/transport/errors.h"
 
 namespace xirang {
 

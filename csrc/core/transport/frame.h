@@ -36,7 +36,7 @@ enum class OpKind : uint8_t {
   Send = 10,
   AllreduceEF = 11,
   Ack = 12,    // elastic mode: "I hold this op's result" (empty frame to every live rank)
-  Admit = 13,  // elastic mode: spares admitted at a step boundary (no frames of its own)
+  Admit = 13,  // elastic mode: spares admitted at a step boundary (one barrier's frames; the store carries the decision)
 };
 const char* opKindName(OpKind k);
 

@@ -821,7 +821,7 @@ class BF16ErrorFeedbackState(Checkpointing):
         """``e``, or when the ranks' operations did not match, ``e`` with the likely cause named:
         ranks that pass different ``local_average`` (or ``wire``) run different operations."""
         msg = str(e)
-        if "mismatch" not in msg.lower():
+        if type(e) is not RuntimeError or "mismatch" not in msg.lower():  # a subclass keeps its type
             return e
         return RuntimeError(f"{msg} (the hook's settings on this rank: local_average={self.local_average}, "
                             f"wire={self.wire!r}, this step's path: {'local' if self._local else 'groups'}; every rank "
