@@ -13,6 +13,33 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 start=$(date +%s)
 
+# Debian packages, when root: Catch2 v2 and cmake (needed), and for the tests that need them
+# chromium (the report's browser test), iptables and ping (the emulated cluster's cross-rack
+# latency, tests/cluster/delayq.py), iproute2 (the namespaces). apt is fetched and installed in the
+# background (log: build/apt.log) while torch installs and xirang builds; it is waited for before
+# the C++ tests. Tests whose package could not be installed skip, saying why.
+apt_pid=""
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    must=() more=()
+    [ -f /usr/include/catch2/catch.hpp ] || must+=(catch2)
+    command -v cmake >/dev/null || must+=(cmake)
+    command -v chromium >/dev/null || more+=(chromium)
+    command -v iptables >/dev/null || more+=(iptables)
+    command -v ping >/dev/null || more+=(iputils-ping)
+    command -v ip >/dev/null || more+=(iproute2)
+    if [ "$(( ${#must[@]} + ${#more[@]} ))" -gt 0 ]; then
+        mkdir -p build
+        echo "tests: installing ${must[*]} ${more[*]} (Debian packages, in the background: build/apt.log)" >&2
+        (
+            export DEBIAN_FRONTEND=noninteractive
+            apt-get update -qq || true
+            [ "${#must[@]}" -eq 0 ] || apt-get install -y -qq "${must[@]}" || echo "tests: could not install ${must[*]}"
+            [ "${#more[@]}" -eq 0 ] || apt-get install -y -qq "${more[@]}" || echo "tests: could not install ${more[*]}"
+        ) > build/apt.log 2>&1 &
+        apt_pid=$!
+    fi
+fi
+
 # A warning in xirang's own C++ fails CI: -Werror for xirang._C (setup.py) here, and the CMake
 # core build below has it on by default (XIRANG_WERROR in CMakeLists.txt).
 export XIRANG_WERROR=1
@@ -24,45 +51,39 @@ if [ "$XIRANG_AVAILABLE" != 1 ]; then
 fi
 
 # --- C++ core (torch-free), Catch2 v2 + ctest ------------------------------------------------
+if [ -n "$apt_pid" ]; then
+    wait "$apt_pid" || true
+    grep "^tests: could not install" build/apt.log >&2 || true
+fi
 if [ ! -f /usr/include/catch2/catch.hpp ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "tests: installing catch2 (Debian package)" >&2
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq catch2 cmake) >&2
+    if [ -n "$apt_pid" ]; then
+        echo "tests: Catch2 v2 could not be installed (apt-get install catch2); build/apt.log:" >&2
+        tail -n 20 build/apt.log >&2
     else
         echo "tests: Catch2 v2 is missing (apt-get install catch2) and this is not root" >&2
-        exit 1
     fi
+    exit 1
 fi
 if ! command -v cmake >/dev/null; then
     "$PY" -m pip install -q cmake -c "$XIRANG_CONSTRAINT"
 fi
+# Test-only Python packages, fetched while the C++ core builds: transformers (the hook's layer
+# finder is checked on HF GPT-2, Llama, Mistral and BERT built from small configs; no download)
+# and prometheus_client (the exporter). Their tests skip, saying why, where they cannot be had.
+(
+    for pkg in transformers prometheus_client; do
+        "$PY" -c "import $pkg" 2>/dev/null || "$PY" -m pip install --quiet -c "$XIRANG_CONSTRAINT" "$pkg" \
+            || echo "tests: could not install $pkg (its tests skip, saying so)"
+    done
+) > build/pip-test-deps.log 2>&1 &
+pip_pid=$!
 cmake -S . -B build/core -DCMAKE_BUILD_TYPE=Release > build/core-configure.log
 cmake --build build/core -j2 > build/core-build.log || { cat build/core-build.log; exit 1; }
 (cd build/core && ctest --output-on-failure)
 
 # --- Python, multi-process -------------------------------------------------------------------
-# From tests/python so the installed xirang is imported, not python/ of the work tree.
-# Headless Chromium for the report's browser test (tests/python/test_report.py skips without it).
-# iptables and ping for the emulated cluster's cross-rack latency (tests/cluster/delayq.py); iproute2
-# for the namespaces themselves. Tests that need them skip with the reason when they are missing.
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    need=()
-    command -v chromium >/dev/null || need+=(chromium)
-    command -v iptables >/dev/null || need+=(iptables)
-    command -v ping >/dev/null || need+=(iputils-ping)
-    command -v ip >/dev/null || need+=(iproute2)
-    if [ "${#need[@]}" -gt 0 ]; then
-        echo "tests: installing ${need[*]} (Debian packages)" >&2
-        apt-get update -qq >&2 || true
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2 || echo "tests: could not install ${need[*]}" >&2
-    fi
-fi
-# Test-only Python packages: transformers (the hook's layer finder is checked on HF GPT-2, Llama,
-# Mistral and BERT built from small configs; no download) and prometheus_client (the exporter).
-for pkg in transformers prometheus_client; do
-    "$PY" -c "import $pkg" 2>/dev/null || "$PY" -m pip install --quiet -c "$XIRANG_CONSTRAINT" "$pkg" >&2 \
-        || echo "tests: could not install $pkg (its tests skip, saying so)" >&2
-done
+wait "$pip_pid" || true
+grep "^tests: could not install" build/pip-test-deps.log >&2 || true
 # --durations: the slowest tests in every log, to keep the run inside its time budget.
 "$PY" -m pytest tests/python -q -p no:cacheprovider --durations=25 "$@"
 

@@ -1032,6 +1032,29 @@ def _report_cli(*args, cwd=None):
                           timeout=120, cwd=cwd)
 
 
+def _report_main(*args):
+    """``xirang.report``'s main(args) in this process, as ``python -m xirang.report`` would end:
+    the exit code (a SystemExit's text goes to stderr with code 1, as the interpreter does) and
+    what it printed. No traceback is caught: an exception fails the test. For the parametrised
+    cases, which would spend ~2 s each importing torch in a subprocess; the entry point itself
+    runs as a subprocess in test_cli_errors_are_one_line and the others that use _report_cli."""
+    import contextlib
+    import io
+
+    from xirang.report.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+                rc = 1
+            else:
+                rc = e.code or 0
+    return subprocess.CompletedProcess(["xirang.report", *args], rc, out.getvalue(), err.getvalue())
+
+
 def test_cli_errors_are_one_line(tmp_path):
     """A missing input, an empty directory and an unwritable output: one line on stderr naming
     the path, a non-zero exit, no traceback (issue #15, item 16)."""
@@ -1081,12 +1104,12 @@ def test_records_with_fields_of_the_wrong_type_are_skipped(tmp_path, field, valu
     bad = dict(_rec(0, 2), **{field: value})
     f = tmp_path / "rank0.jsonl"
     f.write_text("\n".join(json.dumps(x) for x in (_rec(0, 1), bad, _rec(0, 3))) + "\n")
-    p = _report_cli(str(f), "-o", str(tmp_path / "r.html"))
+    p = _report_main(str(f), "-o", str(tmp_path / "r.html"))
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert f"rank0.jsonl: 1 of 3 lines unreadable, skipped (line 2: {why})" in p.stderr, p.stderr
     only = tmp_path / "only.jsonl"
     only.write_text(json.dumps(bad) + "\n")
-    p = _report_cli(str(only), "-o", str(tmp_path / "o.html"))
+    p = _report_main(str(only), "-o", str(tmp_path / "o.html"))
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     assert f"no records in {only}: only.jsonl: 1 of 1 lines unreadable, skipped (line 2: {why})".replace(
         "line 2", "line 1") in p.stderr, p.stderr
@@ -1096,10 +1119,10 @@ def test_records_with_fields_of_the_wrong_type_are_skipped(tmp_path, field, valu
 def test_run_index_out_of_range_is_a_clear_error(tmp_path, run):
     f = tmp_path / "rank0.jsonl"
     f.write_text("".join(json.dumps(_rec(0, s)) + "\n" for s in (1, 2)))
-    p = _report_cli(str(f), "-o", str(tmp_path / "r.html"), "--run", run)
+    p = _report_main(str(f), "-o", str(tmp_path / "r.html"), "--run", run)
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip().splitlines() == [f"xirang.report: no run {run!r}; runs: (no run id)"], p.stderr
-    p = _report_cli(str(f), "-o", str(tmp_path / "r.html"), "--run", "0")
+    p = _report_main(str(f), "-o", str(tmp_path / "r.html"), "--run", "0")
     assert p.returncode == 0, p.stderr
 
 
