@@ -689,15 +689,21 @@ def w_mismatch_elastic():
         return dict(err=mp_pool.exc_info(e), elapsed=time.perf_counter() - t0)
 
 
-def test_mismatch_fails_every_rank_in_elastic_mode():
+def _assert_mismatch_on_every_rank(worker, *words):
+    """Three elastic ranks run `worker`: each raises a mismatch error (not MembershipChanged)
+    holding every word of `words`, within 10 s."""
     with mp_pool.Pool(3, "xirang", timeout_s=60, env=dict(XIRANG_ELASTIC="1")) as pool:
-        res = pool.run(w_mismatch_elastic, timeout=60)
+        res = pool.run(worker, timeout=60)
     for r in range(3):
         e = res[r]["err"]
         assert e is not None, f"rank {r} did not raise"
         assert not e.isinstance_of("MembershipChanged"), f"rank {r}: {e}"
-        assert "mismatch" in str(e), f"rank {r}: {e}"
+        assert "mismatch" in str(e) and all(w in str(e) for w in words), f"rank {r}: {e}"
         assert res[r]["elapsed"] < 10.0
+
+
+def test_mismatch_fails_every_rank_in_elastic_mode():
+    _assert_mismatch_on_every_rank(w_mismatch_elastic)
 
 
 def w_admit_beside_an_allreduce():
@@ -718,14 +724,7 @@ def test_admit_joiners_beside_another_collective_fails_every_rank_at_once():
     """admit_joiners is a collective: a rank that issued another op there gets the mismatch at
     once, naming both ops (before: reported at the next op, or read as a lost rank at the op
     timeout)."""
-    with mp_pool.Pool(3, "xirang", timeout_s=60, env=dict(XIRANG_ELASTIC="1")) as pool:
-        res = pool.run(w_admit_beside_an_allreduce, timeout=60)
-    for r in range(3):
-        e = res[r]["err"]
-        assert e is not None, f"rank {r} did not raise"
-        assert not e.isinstance_of("MembershipChanged"), f"rank {r}: {e}"
-        assert "mismatch" in str(e) and "admit" in str(e), f"rank {r}: {e}"
-        assert res[r]["elapsed"] < 10.0
+    _assert_mismatch_on_every_rank(w_admit_beside_an_allreduce, "admit")
 
 
 def test_on_membership_change_takes_a_callable():
