@@ -79,7 +79,7 @@ fi
 pip_pid=$!
 cmake -S . -B build/core -DCMAKE_BUILD_TYPE=Release > build/core-configure.log
 cmake --build build/core -j2 > build/core-build.log || { cat build/core-build.log; exit 1; }
-(cd build/core && ctest --output-on-failure)
+(cd build/core && ctest --output-on-failure -j4)
 
 # --- Python, multi-process -------------------------------------------------------------------
 wait "$pip_pid" || true
