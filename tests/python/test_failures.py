@@ -315,7 +315,8 @@ def run(rank, port):
         err = None
     except RuntimeError as e:
         err = str(e)
-    print(f"rank {rank} error: {err!r}", flush=True)
+    sys.stdout.write(f"rank {rank} error: {err!r}\n")  # one write: ranks share the pipe (PYTHONUNBUFFERED)
+    sys.stdout.flush()
     if rank == 0:
         os._exit(0)
 
@@ -375,9 +376,13 @@ def run(rank, port):
         except RuntimeError as e:
             err = str(e)
             break
-    print(f"rank {rank} error: {err!r}", flush=True)
+    # One write per line: the ranks share the pipe, and under PYTHONUNBUFFERED print() writes the
+    # text and its newline apart (two ranks' lines interleaved in a full run on 2026-12-07).
+    sys.stdout.write(f"rank {rank} error: {err!r}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
-    print(f"rank {rank} destroyed", flush=True)
+    sys.stdout.write(f"rank {rank} destroyed\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
