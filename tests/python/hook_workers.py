@@ -1,6 +1,6 @@
 """Multi-process workers for test_hook.py: models, the stand-in backend, and scenarios.
 
-Each scenario runs in every rank (spawned by ``run_ranks``) and saves ``rank{r}.pt`` into the
+Each scenario runs in every rank (started by ``run_ranks``) and saves ``rank{r}.pt`` into the
 output directory; test_hook.py asserts on those files. ``kind`` is ``"xirang"`` (the real
 backend, needs xirang._C) or ``"fake"``: gloo plus :class:`FakeEFBackend`, a stand-in for
 ``ProcessGroupXirang.allreduce_ef`` used to test the hook's pure-Python logic.
@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+import mp_pool
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -638,7 +640,9 @@ SCENARIOS = {
 }
 
 
-def _entry(rank, ws, port, kind, scenario, out, cfg):
+def _entry(rank, ws, port, kind, scenario, out, cfg, env=None):
+    if env is not None:  # forked from the test suite's zygote (mp_pool.zygote)
+        mp_pool.zygote_child(env)
     try:
         hooks = setup(rank, ws, port, kind, exact=cfg.get("exact", False),
                       threads=cfg.get("threads", 1), transport=cfg.get("transport"))
@@ -676,8 +680,12 @@ def run_ranks(scenario, ws, out, kind="fake", timeout=120, **cfg):
     """Spawn ``ws`` ranks running ``scenario``; returns the list of per-rank records."""
     os.makedirs(out, exist_ok=True)
     port = free_port()
-    ctx = mp.start_processes(_entry, args=(ws, port, kind, scenario, out, cfg), nprocs=ws,
-                             join=False, start_method="spawn")
+    # Forked from the zygote (torch imported once) where the environment allows, else spawned.
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # the zygote's (each scenario sets its own thread count)
+    forked = mp_pool.zygote_fits(env)
+    ctx = mp.start_processes(_entry, args=(ws, port, kind, scenario, out, cfg, env if forked else None),
+                             nprocs=ws, join=False, start_method="forkserver" if forked else "spawn")
     deadline = time.time() + timeout
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.time())):

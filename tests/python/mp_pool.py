@@ -6,7 +6,12 @@ A ``Pool`` is a set of long-lived worker processes (one per rank) that have join
 come back to the test process (pickled; tensors included), which then asserts.
 
 Design points
-- Workers are plain ``subprocess`` children of the test process.  Each one connects back to
+- Workers are processes of their own, each in a session of its own.  They fork from a "zygote"
+  (``zygote()``: multiprocessing's forkserver with torch imported once), which saves each
+  worker the ~2 s of CPU of importing torch (the suite starts hundreds); the worker replaces its
+  environment by the one it was given before it imports anything else.  A pool whose ``env``
+  sets a variable that torch or the C runtime reads at load (``TORCH_*``, ``OMP_*``, ...) starts
+  its workers with ``subprocess`` instead.  Each worker connects back to
   the test process over a private AF_UNIX socket (multiprocessing ``Connection`` framing) and
   rendezvouses through a ``TCPStore`` whose *server lives in the test process*, so the store
   outlives any rank that dies and there is no free-port race.
@@ -26,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -42,6 +49,82 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CALL_TIMEOUT = float(os.environ.get("XIRANG_TEST_CALL_TIMEOUT", "60"))
 STARTUP_TIMEOUT = float(os.environ.get("XIRANG_TEST_STARTUP_TIMEOUT", "90"))
 ERROR_GRACE = 5.0  # seconds the other ranks get once one rank raised unexpectedly
+
+
+# --------------------------------------------------------------------------------------
+# the zygote: worker processes forked with torch already imported
+# --------------------------------------------------------------------------------------
+# Read by torch, its OpenMP/BLAS runtimes or the dynamic loader when they load, i.e. in the
+# zygote, not in the forked worker: a pool that sets one of these starts fresh interpreters.
+_READ_AT_LOAD = ("TORCH_", "OMP_", "MKL_", "OPENBLAS_", "GOMP_", "KMP_", "LD_", "MALLOC_", "PYTHON")
+_ZYGOTE_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel"]
+_zygote_ctx = None
+_zygote_env: dict = {}
+
+
+def zygote():
+    """The multiprocessing context whose processes fork from one server process that imported
+    ``_ZYGOTE_PRELOAD`` (with OMP_NUM_THREADS=1), started on first use and shared by the
+    session. Processes started from it must call ``zygote_child(env)`` first."""
+    global _zygote_ctx, _zygote_env
+    if _zygote_ctx is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_ZYGOTE_PRELOAD)
+        old = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            multiprocessing.forkserver.ensure_running()
+            _zygote_env = dict(os.environ)
+        finally:
+            if old is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = old
+        _zygote_ctx = ctx
+    return _zygote_ctx
+
+
+def zygote_fits(env: dict) -> bool:
+    """Whether a process with environment ``env`` (the whole of it) can fork from the zygote:
+    it agrees with the zygote's on every variable read at load."""
+    zygote()
+    keys = {k for k in (*env, *_zygote_env) if k.startswith(_READ_AT_LOAD)}
+    return all(env.get(k) == _zygote_env.get(k) for k in keys)
+
+
+def zygote_child(env: dict) -> None:
+    """In a process forked from the zygote: take ``env`` as the whole environment (the
+    zygote's is the test process's at the time it started)."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _zygote_worker(env: dict) -> None:
+    os.setsid()  # as subprocess's start_new_session: Pool.kill() kills the process group
+    zygote_child(env)
+    _worker_main()
+
+
+class _ZygoteProc:
+    """A worker forked from the zygote, with the part of ``subprocess.Popen``'s interface that
+    ``Pool`` uses (pid, poll, wait, kill; returncode -N for a signal)."""
+
+    def __init__(self, env: dict):
+        self._p = zygote().Process(target=_zygote_worker, args=(env,), daemon=True)
+        self._p.start()
+        self.pid = self._p.pid
+
+    def poll(self) -> Optional[int]:
+        return self._p.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._p.join(timeout)
+        if self._p.exitcode is None:
+            raise subprocess.TimeoutExpired("pool worker", timeout)
+        return self._p.exitcode
+
+    def kill(self) -> None:
+        self._p.kill()
 
 
 # --------------------------------------------------------------------------------------
@@ -275,6 +358,9 @@ class Pool:
                 penv = dict(os.environ, **(env or {}))
                 penv["XIRANG_TEST_WORKER_CFG"] = json.dumps(cfg)
                 penv.setdefault("OMP_NUM_THREADS", "1")
+                if zygote_fits(penv):
+                    self.procs.append(_ZygoteProc(penv))
+                    continue
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-c",
                      f"import sys; sys.path.insert(0, {HERE!r}); import mp_pool; mp_pool._worker_main()"],
