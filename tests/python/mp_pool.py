@@ -105,6 +105,38 @@ def _zygote_worker(env: dict) -> None:
     _worker_main()
 
 
+def _zygote_code(env: dict, code: str, out_path: str, err_path: str) -> None:
+    zygote_child(env)
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = ["-c"]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+
+
+def run_code(code: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, "-c", code], env=env, capture_output=True, text=True,
+    timeout=timeout)``, forked from the zygote where ``env`` allows (``zygote_fits``): the exit
+    status (an uncaught exception: 1, its traceback on stderr), stdout and stderr as that run
+    gives them. Raises ``subprocess.TimeoutExpired`` (the process killed) past ``timeout`` s."""
+    if not zygote_fits(env):
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="xrcode") as d:
+        out, err = os.path.join(d, "out"), os.path.join(d, "err")
+        for path in (out, err):
+            open(path, "w").close()
+        p = zygote().Process(target=_zygote_code, args=(env, code, out, err), daemon=True)
+        p.start()
+        p.join(timeout)
+        if p.exitcode is None:
+            p.kill()
+            p.join(10)
+            raise subprocess.TimeoutExpired([sys.executable, "-c", code], timeout)
+        with open(out, errors="replace") as fo, open(err, errors="replace") as fe:
+            return subprocess.CompletedProcess([sys.executable, "-c", code], p.exitcode, fo.read(), fe.read())
+
+
 class _ZygoteProc:
     """A worker forked from the zygote, with the part of ``subprocess.Popen``'s interface that
     ``Pool`` uses (pid, poll, wait, kill; returncode -N for a signal)."""

@@ -3,11 +3,11 @@ the one boolean rule, XIRANG_DEBUG."""
 import datetime
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+import mp_pool
 
 pytest.importorskip("xirang._C", reason="xirang._C not built")
 
@@ -20,9 +20,8 @@ PRELUDE = textwrap.dedent(
 
 
 def _run(code, **env):
-    e = dict(os.environ, **env)
-    return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120, env=e)
+    """``python -c PRELUDE + code`` with ``env`` added (forked from the suite's zygote where it can)."""
+    return mp_pool.run_code(PRELUDE + textwrap.dedent(code), dict(os.environ, OMP_NUM_THREADS="1", **env), timeout=120)
 
 
 def test_options_timeout_accepts_timedelta_and_seconds():
