@@ -9,9 +9,9 @@ Design points
 - Workers are processes of their own, each in a session of its own.  They fork from a "zygote"
   (``zygote()``: multiprocessing's forkserver with torch imported once), which saves each
   worker the ~2 s of CPU of importing torch (the suite starts hundreds); the worker replaces its
-  environment by the one it was given before it imports anything else.  A pool whose ``env``
-  sets a variable that torch or the C runtime reads at load (``TORCH_*``, ``OMP_*``, ...) starts
-  its workers with ``subprocess`` instead.  Each worker connects back to
+  environment by the one it was given before it imports anything else.  A pool whose
+  environment differs from the zygote's in a variable that torch or the C runtime reads at load
+  (``TORCH_*``, ``OMP_*``, ...) starts its workers with ``subprocess`` instead.  Each worker connects back to
   the test process over a private AF_UNIX socket (multiprocessing ``Connection`` framing) and
   rendezvouses through a ``TCPStore`` whose *server lives in the test process*, so the store
   outlives any rank that dies and there is no free-port race.
@@ -126,23 +126,23 @@ def run_code(code: str, env: dict, timeout: float) -> subprocess.CompletedProces
         out, err = os.path.join(d, "out"), os.path.join(d, "err")
         for path in (out, err):
             open(path, "w").close()
-        p = zygote().Process(target=_zygote_code, args=(env, code, out, err), daemon=True)
-        p.start()
-        p.join(timeout)
-        if p.exitcode is None:
+        p = _ZygoteProc(_zygote_code, env, code, out, err)
+        try:
+            rc = p.wait(timeout)
+        except subprocess.TimeoutExpired:
             p.kill()
-            p.join(10)
-            raise subprocess.TimeoutExpired([sys.executable, "-c", code], timeout)
+            raise subprocess.TimeoutExpired([sys.executable, "-c", code], timeout) from None
         with open(out, errors="replace") as fo, open(err, errors="replace") as fe:
-            return subprocess.CompletedProcess([sys.executable, "-c", code], p.exitcode, fo.read(), fe.read())
+            return subprocess.CompletedProcess([sys.executable, "-c", code], rc, fo.read(), fe.read())
 
 
 class _ZygoteProc:
-    """A worker forked from the zygote, with the part of ``subprocess.Popen``'s interface that
-    ``Pool`` uses (pid, poll, wait, kill; returncode -N for a signal)."""
+    """``target(*args)`` in a process forked from the zygote, with the part of
+    ``subprocess.Popen``'s interface that ``Pool`` and ``run_code`` use (pid, poll, wait, kill;
+    returncode -N for a signal)."""
 
-    def __init__(self, env: dict):
-        self._p = zygote().Process(target=_zygote_worker, args=(env,), daemon=True)
+    def __init__(self, target: Callable, *args):
+        self._p = zygote().Process(target=target, args=args, daemon=True)
         self._p.start()
         self.pid = self._p.pid
 
@@ -391,7 +391,7 @@ class Pool:
                 penv["XIRANG_TEST_WORKER_CFG"] = json.dumps(cfg)
                 penv.setdefault("OMP_NUM_THREADS", "1")
                 if zygote_fits(penv):
-                    self.procs.append(_ZygoteProc(penv))
+                    self.procs.append(_ZygoteProc(_zygote_worker, penv))
                     continue
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-c",

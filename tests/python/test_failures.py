@@ -295,7 +295,11 @@ def _run_store_script(tmp_path, name, text, args, env, timeout):
     s.close()
     script = tmp_path / name
     script.write_text(text)
-    return subprocess.run([sys.executable, str(script), str(port), *args], env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+    # The ranks share one stdout pipe, parsed line by line: buffered, print(..., flush=True) writes
+    # a line in one write; under PYTHONUNBUFFERED its text and newline go apart and two ranks'
+    # lines interleaved (a full run on 2026-12-07).
+    env = {k: v for k, v in dict(os.environ, OMP_NUM_THREADS="1", **env).items() if k != "PYTHONUNBUFFERED"}
+    return subprocess.run([sys.executable, str(script), str(port), *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path))
 
 
@@ -315,8 +319,7 @@ def run(rank, port):
         err = None
     except RuntimeError as e:
         err = str(e)
-    sys.stdout.write(f"rank {rank} error: {err!r}\n")  # one write: ranks share the pipe (PYTHONUNBUFFERED)
-    sys.stdout.flush()
+    print(f"rank {rank} error: {err!r}", flush=True)
     if rank == 0:
         os._exit(0)
 
@@ -376,13 +379,9 @@ def run(rank, port):
         except RuntimeError as e:
             err = str(e)
             break
-    # One write per line: the ranks share the pipe, and under PYTHONUNBUFFERED print() writes the
-    # text and its newline apart (two ranks' lines interleaved in a full run on 2026-12-07).
-    sys.stdout.write(f"rank {rank} error: {err!r}\n")
-    sys.stdout.flush()
+    print(f"rank {rank} error: {err!r}", flush=True)
     dist.destroy_process_group()
-    sys.stdout.write(f"rank {rank} destroyed\n")
-    sys.stdout.flush()
+    print(f"rank {rank} destroyed", flush=True)
 
 
 if __name__ == "__main__":
